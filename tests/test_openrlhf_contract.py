@@ -1,0 +1,91 @@
+"""Contract with the installed OpenRLHF: the symbols the sync patch replaces or calls, as 0.11.2 has them.
+
+An OpenRLHF upgrade that renames, moves or re-signs one of these fails here, before the patch breaks
+inside a Ray actor. When this fails, re-read the new upstream code and update the patch with it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from importlib.metadata import version
+
+import pytest
+
+from scripts.envtool import load_pins
+
+# symbol path -> its parameters (name, default or inspect.Parameter.empty) as the patch relies on them
+EXPECTED_SIGNATURES = {
+    "openrlhf.trainer.ray.ppo_actor:ActorPPOTrainer.broadcast_to_vllm": [("self", inspect.Parameter.empty)],
+    "openrlhf.trainer.ray.vllm_worker_wrap:WorkerWrap.update_weight": [
+        ("self", inspect.Parameter.empty),
+        ("name", inspect.Parameter.empty),
+        ("dtype", inspect.Parameter.empty),
+        ("shape", inspect.Parameter.empty),
+        ("empty_cache", False),
+    ],
+    "openrlhf.trainer.ray.vllm_worker_wrap:WorkerWrap.update_weight_cuda_ipc": [
+        ("self", inspect.Parameter.empty),
+        ("name", inspect.Parameter.empty),
+        ("dtype", inspect.Parameter.empty),
+        ("shape", inspect.Parameter.empty),
+        ("ipc_handles", None),
+        ("empty_cache", False),
+    ],
+    "openrlhf.trainer.ray.vllm_engine:create_vllm_engines": [
+        ("num_engines", inspect.Parameter.empty),
+        ("tensor_parallel_size", inspect.Parameter.empty),
+        ("pretrain", inspect.Parameter.empty),
+        ("seed", inspect.Parameter.empty),
+        ("full_determinism", inspect.Parameter.empty),
+        ("enable_prefix_caching", inspect.Parameter.empty),
+        ("enforce_eager", inspect.Parameter.empty),
+        ("max_model_len", inspect.Parameter.empty),
+        ("shared_pg", None),
+        ("gpu_memory_utilization", None),
+        ("vllm_enable_sleep", False),
+        ("logprobs_mode", None),
+        ("agent_func_path", None),
+        ("remote_rm_url", None),
+        ("max_images_per_prompt", 0),
+    ],
+    "openrlhf.cli.train_ppo_ray:train": [("args", inspect.Parameter.empty)],
+}
+
+
+def _resolve(path: str):
+    module_name, _, qualname = path.partition(":")
+    target = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target
+
+
+def test_installed_openrlhf_is_the_pinned_release():
+    assert version("openrlhf") == load_pins("cpu")["openrlhf"]
+
+
+@pytest.mark.parametrize("path", sorted(EXPECTED_SIGNATURES))
+def test_signature_unchanged(path):
+    parameters = inspect.signature(_resolve(path)).parameters.values()
+    assert [(p.name, p.default) for p in parameters] == EXPECTED_SIGNATURES[path]
+
+
+def test_ppo_actor_methods_are_plain_functions():
+    # The patch swaps these attributes on the class; a descriptor or Ray wrapper would need other handling.
+    actor_trainer = _resolve("openrlhf.trainer.ray.ppo_actor:ActorPPOTrainer")
+    assert inspect.isfunction(inspect.getattr_static(actor_trainer, "broadcast_to_vllm"))
+
+
+def test_train_ppo_ray_builds_its_parser_under_main():
+    # The launcher runs the module as __main__ (runpy) after patching, so the CLI flags stay upstream's.
+    source = inspect.getsource(importlib.import_module("openrlhf.cli.train_ppo_ray"))
+    main_blocks = [
+        node
+        for node in ast.parse(source).body
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+    ]
+    assert main_blocks, "train_ppo_ray no longer has an `if __name__ == '__main__'` block"
+    body = ast.unparse(main_blocks[0])
+    assert "argparse.ArgumentParser()" in body and "train(args)" in body
