@@ -33,19 +33,30 @@ def tiny_model_dir(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="session")
-def tiny_engine(tiny_model_dir):
-    """tiny_engine(family) -> a vLLM-CPU engine on that family's tiny checkpoint, started once."""
+def _engine_pool(tiny_model_dir):
     from openrlhf_lora_sync.logprob_check import start_engine
 
     engines = {}
 
-    def get(family: str):
-        if family not in engines:
-            spec = FAMILIES[family]
-            engines[family] = start_engine(
-                str(tiny_model_dir(family)), spec.dtype, images_per_prompt=1 if spec.is_vlm else 0
-            )
-        return engines[family]
+    def get(family: str, dtype: str | None = None):
+        spec = FAMILIES[family]
+        key = (family, dtype or spec.dtype)
+        if key not in engines:
+            model_dir = str(tiny_model_dir(family))
+            engines[key] = start_engine(model_dir, key[1], images_per_prompt=int(spec.is_vlm))
+        return engines[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir):
+    """tiny_engine(family[, dtype]) -> a vLLM-CPU engine on that family's tiny checkpoint, started once.
+    Tests that load other weights into it must load the checkpoint's back before they end."""
+    return _engine_pool(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def sync_engine(tiny_model_dir):
+    """Like tiny_engine, but separate engines that sync tests leave holding whatever they synced last."""
+    return _engine_pool(tiny_model_dir)

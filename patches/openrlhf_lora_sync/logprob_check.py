@@ -56,14 +56,27 @@ def vllm_prompt_logprobs(llm, token_ids: Sequence[int], image=None) -> torch.Ten
         prompt["multi_modal_data"] = {"image": image}
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     (output,) = llm.generate([prompt], params, use_tqdm=False)
-    positions = output.prompt_logprobs[1:]
-    return torch.tensor([entry[token].logprob for entry, token in zip(positions, token_ids[1:], strict=True)])
+    # With an image, vLLM expands the single image placeholder; index by the tokens it actually scored.
+    scored = output.prompt_token_ids
+    return torch.tensor(
+        [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], scored[1:], strict=True)]
+    )
+
+
+def image_prompt(processor, image, text: str = "What is the area of the shaded region?"):
+    """(token ids with one image placeholder, for vLLM; HF model inputs with it expanded, for HF)."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    prompt_text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    collapsed = processor.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+    hf_inputs = processor(text=[prompt_text], images=[image], return_tensors="pt")
+    return collapsed, hf_inputs
 
 
 @torch.no_grad()
-def hf_prompt_logprobs(model, token_ids: Sequence[int], **model_inputs) -> torch.Tensor:
-    """The same quantity from an HF model (teacher forcing), computed in fp32 from its logits."""
-    input_ids = torch.tensor([list(token_ids)], device=model.device)
+def hf_prompt_logprobs(model, token_ids: Sequence[int] | torch.Tensor, **model_inputs) -> torch.Tensor:
+    """The same quantity from an HF model (teacher forcing), computed in fp32 from its logits.
+    `token_ids` may be a [1, n] tensor from a processor, with image inputs in model_inputs."""
+    input_ids = torch.as_tensor(token_ids, device=model.device).reshape(1, -1)
     logits = model(input_ids=input_ids, **model_inputs).logits[0, :-1].float()
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1).cpu()
 

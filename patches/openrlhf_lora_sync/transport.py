@@ -1,0 +1,90 @@
+"""Moving a packed bucket from a trainer process to the vLLM workers.
+
+Transports (the worker side of each is in worker_extension.py):
+- "shm": the bucket is written to a file under /dev/shm and the workers map it. Needs neither ptrace
+  permission nor NCCL, works across process boundaries on one node, and is the only one that runs on CPU.
+- "cuda_ipc": for engines colocated on the trainer's GPUs. The bucket is allocated with PyTorch's
+  expandable segments off: IPC of expandable-segment memory is what calls `pidfd_getfd`, which
+  Ubuntu's default `kernel.yama.ptrace_scope=1` (and Docker without CAP_SYS_PTRACE) forbids. Plain
+  cudaMalloc memory is shared with cudaIpcGetMemHandle, which needs no ptrace permission.
+- "nccl": broadcast over OpenRLHF's model-update process group, for engines on other GPUs.
+Does not cover: the choice of transport for a run (the patch decides from the recipe and the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import uuid
+from collections.abc import Callable
+
+import torch
+
+from openrlhf_lora_sync.bucket import TensorMeta, layout, pack_into
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+# rpc(method_name, *args) -> list of per-engine results; supplied by the caller (in-process LLMs, Ray actors).
+Rpc = Callable[..., list]
+
+
+def send_via_shm(rpc: Rpc, named: list[tuple[str, torch.Tensor]]) -> tuple[int, list]:
+    """Write the bucket to a /dev/shm file, have every engine load it, remove the file. (bytes, results)"""
+    metas, total = layout(named)
+    path = os.path.join(SHM_DIR, f"openrlhf-lora-sync-{os.getpid()}-{uuid.uuid4().hex}.bin")
+    try:
+        buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        pack_into(buffer, named, metas)
+        del buffer  # unmaps; the file keeps the bytes
+        results = rpc("load_bucket_from_file", path, total, metas)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return total, results
+
+
+def read_shm_bucket(path: str, total: int) -> torch.Tensor:
+    """Worker side: map the bucket file privately (copy-on-write, no copy up front)."""
+    return torch.from_file(path, shared=False, size=total, dtype=torch.uint8)
+
+
+def _expandable_segments_enabled() -> bool:
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+@contextlib.contextmanager
+def expandable_segments_off():
+    """Allocate with plain cudaMalloc inside the block, restoring the process's setting after."""
+    was_on = _expandable_segments_enabled()
+    if was_on:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        if was_on:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
+def cuda_ipc_bucket(
+    named: list[tuple[str, torch.Tensor]], device: torch.device
+) -> tuple[torch.Tensor, list[TensorMeta], tuple]:
+    """Pack on the GPU into IPC-shareable memory; returns (buffer, metas, IPC handle). Keep the buffer alive
+    until every receiver has loaded it."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    metas, total = layout(named)
+    with expandable_segments_off():
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    pack_into(buffer, named, metas)
+    torch.cuda.current_stream(device).synchronize()
+    return buffer, metas, reduce_tensor(buffer)
+
+
+def open_cuda_ipc_bucket(handle: tuple, device_index: int) -> torch.Tensor:
+    """Worker side: rebuild the sender's buffer on this worker's device from its IPC handle."""
+    rebuild, args = handle
+    args = list(args)
+    args[6] = device_index  # the device ordinal as this process numbers it (CUDA_VISIBLE_DEVICES differ)
+    return rebuild(*args)

@@ -1,0 +1,302 @@
+"""Tests for scripts/prepare_data.py and the committed data/sample, read back with OpenRLHF 0.11.2's own code.
+
+Source datasets are built in the test with ``datasets`` and PIL and stored the three ways prepare_data reads
+them offline (save_to_disk, a folder of parquet files, one parquet file). The output is loaded with
+OpenRLHF's ``blending_datasets`` + ``PromptDataset`` and a tiny Qwen2.5-VL processor (conftest's
+``tiny_model_dir``), tokenized with images by ``process_prompt_with_images``, and for the sample also rolled
+out through ``SingleTurnAgentExecutor`` with the math reward. No network: the hub is switched off.
+"""
+
+import asyncio
+import io
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import datasets
+import pytest
+from PIL import Image, ImageDraw
+
+from rewards.math_answer import PROMPT_INSTRUCTIONS
+from scripts import make_sample_data, prepare_data
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_DIR = REPO_ROOT / "data" / "sample"
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def diagram(mode: str = "RGB", size: tuple[int, int] = (96, 64)) -> Image.Image:
+    image = Image.new(mode, size, "white" if mode == "RGB" else (0, 0, 0, 0))
+    ImageDraw.Draw(image).polygon([(8, 56), (88, 56), (8, 8)], outline="black")
+    return image
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+# Source rows: (images, problem, answer, what happens to the row).
+TRAIN_ROWS = [
+    ([diagram()], "<image>Find x.", "5", "written"),
+    ([diagram()], "<image>Find y.", " 3\\sqrt{3} ", "written: label stripped"),
+    ([diagram("RGBA")], "<image>Find z.", "7", "written: transparent image flattened onto white"),
+    ([diagram(), diagram()], "<image><image>Compare the two figures.", "2", "written: two image items"),
+    ([], "<image>Find v.", "1", "missing_image: empty image list"),
+    ([None], "<image>Find w.", "1", "missing_image: null image"),
+    ([{"bytes": b"not an image", "path": None}], "<image>Find u.", "4", "unreadable_image: garbage bytes"),
+    (
+        [{"bytes": png_bytes(diagram())[:60], "path": None}],
+        "<image>Find t.",
+        "4",
+        "unreadable_image: truncated PNG",
+    ),
+    ([diagram()], "<image>Find s.", "  ", "empty_label: blank answer"),
+    ([diagram()], "<image>Find r.", None, "empty_label: null answer"),
+    ([diagram()], "<image>", "9", "empty_question: only the image tag"),
+]
+TEST_ROWS = [
+    ([diagram()], "<image>Find the area.", "12", "written"),
+]
+EXPECTED_SKIPS = Counter(
+    outcome.split(":")[0] for *_, outcome in TRAIN_ROWS if not outcome.startswith("written")
+)
+
+
+def as_dataset(rows) -> datasets.Dataset:
+    features = datasets.Features(
+        {
+            "images": datasets.List(datasets.Image()),
+            "problem": datasets.Value("string"),
+            "answer": datasets.Value("string"),
+        }
+    )
+    columns = {
+        "images": [r[0] for r in rows],
+        "problem": [r[1] for r in rows],
+        "answer": [r[2] for r in rows],
+    }
+    return datasets.Dataset.from_dict(columns, features=features)
+
+
+def store_source(kind: str, root: Path) -> Path:
+    """The test dataset stored the way `kind` says; returns what to pass as --dataset."""
+    source = datasets.DatasetDict({"train": as_dataset(TRAIN_ROWS), "test": as_dataset(TEST_ROWS)})
+    if kind == "save_to_disk":
+        source.save_to_disk(root / "saved")
+        return root / "saved"
+    if kind == "parquet_dir":
+        # Hub layout: split names come from the file names.
+        for split, dataset in source.items():
+            dataset.to_parquet(root / "parquet" / f"{split}-00000-of-00001.parquet")
+        return root / "parquet"
+    source["train"].to_parquet(root / "one.parquet")
+    return root / "one.parquet"
+
+
+@pytest.fixture(scope="module")
+def vl_processor(tiny_model_dir):
+    """The tiny Qwen2.5-VL processor, loaded by OpenRLHF's own get_tokenizer (AutoProcessor for a VLM)."""
+    from openrlhf.utils.utils import get_tokenizer
+
+    return get_tokenizer(str(tiny_model_dir("qwen2_5_vl")), None)
+
+
+def openrlhf_prompt_dataset(jsonl: Path, processor):
+    """What train_ppo_ray does with --data.prompt_dataset JSONL --data.input_key prompt --data.label_key label
+    --data.image_key images --data.apply_chat_template."""
+    from openrlhf.datasets import PromptDataset
+    from openrlhf.datasets.utils import blending_datasets
+
+    data_args = SimpleNamespace(
+        input_key="prompt", label_key="label", image_key="images", apply_chat_template=True
+    )
+    strategy = SimpleNamespace(
+        args=SimpleNamespace(data=data_args, use_ms=False), is_rank_0=lambda: True, print=lambda *_: None
+    )
+    return PromptDataset(blending_datasets(str(jsonl), None, strategy), processor, strategy)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+@pytest.mark.parametrize("kind", ["save_to_disk", "parquet_dir", "parquet_file"])
+def test_converts_local_datasets_and_counts_bad_rows(kind, tmp_path, capsys):
+    output_dir = tmp_path / "out"
+    summaries = prepare_data.main(
+        ["--dataset", str(store_source(kind, tmp_path)), "--output-dir", str(output_dir)]
+    )
+
+    written = sum(outcome.startswith("written") for *_, outcome in TRAIN_ROWS)
+    assert summaries["train"].written == written
+    assert summaries["train"].skipped == EXPECTED_SKIPS
+    # A lone parquet file is one "train" split; the other layouts keep both splits.
+    assert set(summaries) == ({"train"} if kind == "parquet_file" else {"train", "test"})
+    assert f"train: wrote {written} rows, skipped {sum(EXPECTED_SKIPS.values())}" in capsys.readouterr().out
+
+    rows = read_jsonl(output_dir / "train.jsonl")
+    assert [row["label"] for row in rows] == ["5", "3\\sqrt{3}", "7", "2"]
+    assert [len(row["images"]) for row in rows] == [1, 1, 1, 2]
+    assert all(Path(path).is_absolute() and Path(path).is_file() for row in rows for path in row["images"])
+    # The datasource defaults to the dataset's base name without extension.
+    assert {row["datasource"] for row in rows} == {
+        {"save_to_disk": "saved", "parquet_dir": "parquet"}.get(kind, "one")
+    }
+    first = rows[0]["prompt"]
+    assert first == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image"},
+                {"type": "text", "text": f"Find x.\n\n{PROMPT_INSTRUCTIONS['boxed']}"},
+            ],
+        }
+    ]
+    # The transparent diagram must not turn into a black square.
+    flattened = Image.open(rows[2]["images"][0])
+    assert flattened.mode == "RGB" and flattened.getpixel((60, 10)) == (255, 255, 255)
+
+
+def test_output_loads_with_openrlhf_prompt_dataset_for_a_vlm(tmp_path, vl_processor):
+    from openrlhf.utils.vlm_utils import process_prompt_with_images
+
+    output_dir = tmp_path / "out"
+    prepare_data.main(
+        ["--dataset", str(store_source("save_to_disk", tmp_path)), "--output-dir", str(output_dir)]
+        + ["--answer-format", "think_answer", "--datasource", "geo"]
+    )
+    dataset = openrlhf_prompt_dataset(output_dir / "train.jsonl", vl_processor)
+
+    assert len(dataset) == 4
+    datasource, prompt, label, images = dataset[0]
+    assert (datasource, label) == ("geo", "5")
+    assert "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Find x." in prompt
+    assert PROMPT_INSTRUCTIONS["think_answer"] in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert dataset[3][1].count("<|vision_start|><|image_pad|><|vision_end|>") == 2
+
+    # What the vLLM actor does next: load the image files and expand each placeholder to its patches.
+    token_ids, mm_inputs, pil_images = process_prompt_with_images(vl_processor, prompt, images)
+    assert len(pil_images) == 1 and mm_inputs["image_grid_thw"].shape == (1, 3)
+    merged_patches = int(mm_inputs["image_grid_thw"].prod()) // 4
+    assert token_ids.count(vl_processor.image_token_id) == merged_patches
+
+
+def test_relative_image_paths(tmp_path, monkeypatch):
+    output_dir = tmp_path / "out"
+    prepare_data.main(
+        ["--dataset", str(store_source("parquet_file", tmp_path)), "--output-dir", str(output_dir)]
+        + ["--relative-to", str(tmp_path)]
+    )
+    paths = [path for row in read_jsonl(output_dir / "train.jsonl") for path in row["images"]]
+    assert paths[0] == "out/images/train/000000-0.png"
+    monkeypatch.chdir(tmp_path)
+    assert all(Path(path).is_file() for path in paths)
+
+
+def test_max_rows_and_split_selection(tmp_path):
+    summaries = prepare_data.main(
+        ["--dataset", str(store_source("parquet_dir", tmp_path)), "--output-dir", str(tmp_path / "out")]
+        + ["--splits", "train", "--max-rows", "2"]
+    )
+    assert list(summaries) == ["train"] and summaries["train"].written == 2
+    assert not (tmp_path / "out" / "test.jsonl").exists()
+
+
+def test_missing_column_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="no column 'question'"):
+        prepare_data.main(
+            ["--dataset", str(store_source("parquet_file", tmp_path)), "--output-dir", str(tmp_path / "out")]
+            + ["--question-column", "question"]
+        )
+
+
+def test_cli_help():
+    completed = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "prepare_data.py"), "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "--dataset" in completed.stdout and "--relative-to" in completed.stdout
+
+
+def test_committed_sample_is_small_and_loads_from_the_repo_root(monkeypatch, vl_processor):
+    files = [path for path in SAMPLE_DIR.rglob("*") if path.is_file()]
+    assert sum(path.stat().st_size for path in files) < 200_000
+    monkeypatch.chdir(REPO_ROOT)  # image paths in the sample are relative to the repository root
+    for split, size in [("train", 6), ("test", 2)]:
+        dataset = openrlhf_prompt_dataset(SAMPLE_DIR / f"{split}.jsonl", vl_processor)
+        assert len(dataset) == size
+        for _, _, _, images in dataset:
+            assert all(Image.open(path).size == (224, 224) for path in images)
+
+
+def test_committed_sample_matches_its_generator(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["make_sample_data.py", "--output-dir", str(tmp_path)])
+    make_sample_data.main()
+
+    def without_paths(path: Path) -> list[dict]:
+        return [{key: value for key, value in row.items() if key != "images"} for row in read_jsonl(path)]
+
+    for split in ("train", "test"):
+        assert without_paths(tmp_path / f"{split}.jsonl") == without_paths(SAMPLE_DIR / f"{split}.jsonl")
+
+
+class ScriptedEngine:
+    """Stands in for the vLLM engine: every prompt gets the same scripted completion, ending in <|im_end|>."""
+
+    def __init__(self, processor, completion: str) -> None:
+        self.completion = completion
+        self.token_ids = processor.tokenizer(completion + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        self.images_seen = None
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        self.images_seen = multi_modal_data
+        output = SimpleNamespace(
+            token_ids=self.token_ids, text=self.completion, finish_reason="stop", logprobs=None
+        )
+        return SimpleNamespace(outputs=[output])
+
+
+# Completions for the first sample row (a 3-4-x right triangle, label 5): (completion, reward, score).
+ROLLOUTS = [
+    ("The legs are 3 and 4, so x = \\sqrt{9 + 16} = \\boxed{5}", 1.1, 1.0),
+    ("x = \\boxed{5}", 1.1, 1.0),
+    ("x = \\boxed{7}", 0.1, 0.0),
+    ("x is five", 0.0, 0.0),
+]
+
+
+@pytest.mark.parametrize(("completion", "reward", "score"), ROLLOUTS)
+def test_sample_rollout_through_openrlhf_executor_is_graded(
+    monkeypatch, vl_processor, completion, reward, score
+):
+    """The committed sample, rendered by OpenRLHF, rolled out by its single-turn executor with images, and
+    graded by rewards/math_answer.py loaded through --reward.remote_url."""
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+    for name in ("REWARD_ACCURACY_WEIGHT", "REWARD_FORMAT_WEIGHT", "REWARD_ANSWER_FORMAT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(REPO_ROOT)
+    _, prompt, label, images = openrlhf_prompt_dataset(SAMPLE_DIR / "train.jsonl", vl_processor)[0]
+    executor = SingleTurnAgentExecutor(remote_rm_url=[str(REPO_ROOT / "rewards" / "math_answer.py")])
+    engine = ScriptedEngine(vl_processor, completion)
+    sampling_params = SimpleNamespace(max_tokens=256, logprobs=None)
+
+    output = asyncio.run(executor.execute(prompt, label, sampling_params, 4096, vl_processor, engine, images))
+
+    assert len(engine.images_seen["image"]) == 1
+    assert output["reward"].tolist() == pytest.approx([reward])
+    assert output["scores"].tolist() == [score]
+    assert output["extra_logs"]["math_accuracy"] == score

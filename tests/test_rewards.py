@@ -1,0 +1,438 @@
+"""Tests for rewards/math_answer.py, loaded and called the way OpenRLHF 0.11.2 does.
+
+The graded tables run the reward file through OpenRLHF's own loader (``SingleTurnAgentExecutor``) with a
+controlled environment; the pure helpers are imported directly. Nothing here asserts on elapsed time.
+"""
+
+import asyncio
+import pickle
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from rewards import REWARDS, math_answer, reward_file
+from rewards.math_answer import (
+    PROMPT_INSTRUCTIONS,
+    RewardConfig,
+    extract_final_answer,
+    extract_response,
+    format_reward,
+    gold_latex,
+    last_boxed_content,
+)
+
+REWARD_FILE = Path(__file__).resolve().parents[1] / "rewards" / "math_answer.py"
+REWARD_ENV = (
+    "REWARD_ACCURACY_WEIGHT",
+    "REWARD_FORMAT_WEIGHT",
+    "REWARD_ANSWER_FORMAT",
+    "REWARD_VERIFY_TIMEOUT_S",
+    "REWARD_VERIFY_WORKERS",
+)
+FLAGS = ("math_no_answer", "math_parse_failure", "math_gold_parse_failure", "math_verify_timeout")
+
+
+def qwen_query(response: str, answer_format: str = "boxed", image_patches: int = 6) -> tuple[str, str]:
+    """(query, prompt) as OpenRLHF builds them for Qwen2-VL: the query is the decoded prompt + response with
+    special tokens, the image placeholder expanded to one <|image_pad|> per patch, then the end of turn."""
+    prompt = (
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Find x.\n\n"
+        f"{PROMPT_INSTRUCTIONS[answer_format]}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    query = prompt.replace("<|image_pad|>", "<|image_pad|>" * image_patches) + response + "<|im_end|>"
+    return query, prompt
+
+
+@pytest.fixture(scope="module")
+def load_reward():
+    """Loads rewards/math_answer.py with OpenRLHF's loader under the given REWARD_* environment."""
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+    def load(**env: str) -> SingleTurnAgentExecutor:
+        with pytest.MonkeyPatch.context() as patch:
+            for name in REWARD_ENV:
+                patch.delenv(name, raising=False)
+            for name, value in env.items():
+                patch.setenv(name, value)
+            # train_ppo_ray splits --reward.remote_url on "," and hands the executor that list.
+            return SingleTurnAgentExecutor(remote_rm_url=[str(REWARD_FILE)])
+
+    return load
+
+
+@pytest.fixture(scope="module")
+def executor(load_reward):
+    return load_reward()
+
+
+def grade_via_openrlhf(executor, response: str, label: object, answer_format: str = "boxed") -> dict:
+    """One sample through OpenRLHF's own call: asyncio.to_thread(reward_func, [query], [prompt], [label])."""
+    query, prompt = qwen_query(response, answer_format)
+    (result,) = asyncio.run(executor._fetch_rewards_via_func([query], [prompt], [label]))
+    return result
+
+
+def summary(result: dict) -> tuple[float, float, str | None]:
+    """(accuracy, format, the failure flag that is set) of a one-sample result."""
+    logs = result["extra_logs"]
+    raised = [flag for flag in FLAGS if logs[flag]]
+    assert len(raised) <= 1, raised
+    return logs["math_accuracy"], logs["math_format"], raised[0] if raised else None
+
+
+# Equivalent forms of the same answer: full accuracy (and format, since each has reasoning before the box).
+EQUIVALENT = [
+    ("12", "So x = \\boxed{12}", "identical integer"),
+    ("12", "So \\boxed{12.0}", "trailing .0"),
+    ("12", "So \\boxed{\\frac{24}{2}}", "unreduced fraction"),
+    ("0.5", "So \\boxed{\\frac{1}{2}}", "fraction vs decimal label"),
+    ("\\frac{1}{2}", "So \\boxed{0.5}", "decimal vs fraction label"),
+    ("\\frac{40}{3}", "So \\boxed{40/3}", "slash fraction"),
+    ("7.5", "So \\boxed{\\dfrac{15}{2}}", "\\dfrac"),
+    ("7.5", "So \\boxed{7\\frac{1}{2}}", "mixed number"),
+    ("2\\sqrt{221}", "So \\boxed{\\sqrt{884}}", "simplified vs unsimplified surd"),
+    ("3\\sqrt{3}", "So \\boxed{5.196152}", "decimal equal after 6-place rounding"),
+    ("60", "So \\boxed{60^\\circ}", "degree sign"),
+    ("60", "So \\boxed{60^{\\circ}}", "braced degree sign"),
+    ("60", "So \\boxed{60 degrees}", "unit word"),
+    ("12", "So \\boxed{12 \\text{ cm}}", "\\text unit"),
+    ("12", "So \\boxed{x = 12}", "assignment"),
+    ("14\\pi", "So \\boxed{14 \\pi}", "spacing around \\pi"),
+    ("\\pi", "So \\boxed{π}", "unicode pi"),
+    ("1,000", "So \\boxed{1000}", "thousands separator in label"),
+    ("64", "So \\boxed{4^3}", "unevaluated power"),
+    ("12", "So \\boxed{ 12 }", "padding inside the box"),
+    ("12", "So \\boxed{12.}", "trailing period is dropped"),
+    ("$12$", "So \\boxed{12}", "label already in $...$"),
+    ("\\boxed{12}", "So \\boxed{12}", "label already boxed"),
+    (12, "So \\boxed{12}", "non-string label from JSON"),
+    ("12<|im_end|>", "So \\boxed{12}", "label carrying a special token"),
+    ("12", "So \\boxed{\\{12\\}}", "escaped braces inside the box"),
+]
+
+
+@pytest.mark.parametrize(("label", "response", "case"), EQUIVALENT, ids=[case for *_, case in EQUIVALENT])
+def test_equivalent_answers_get_full_reward(executor, label, response, case):
+    result = grade_via_openrlhf(executor, response, label)
+    assert summary(result) == (1.0, 1.0, None)
+    assert result["rewards"].tolist() == pytest.approx([1.1])
+    assert result["scores"].tolist() == [1.0]
+
+
+# Wrong answers: no accuracy, only the format bonus.
+WRONG = [
+    ("12", "So \\boxed{13}", "different integer"),
+    ("3\\sqrt{3}", "So \\boxed{5.196}", "decimal too coarse to match a surd"),
+    ("25\\pi", "So \\boxed{78.54}", "rounded value of a multiple of pi"),
+    ("12", "So \\boxed{-12}", "sign error"),
+    ("12", "So \\boxed{12, 13}", "hedging with a list"),
+    ("\\frac{1}{2}", "So \\boxed{\\frac{2}{1}}", "inverted fraction"),
+    ("12", "So \\boxed{\\text{twelve}}", "number in words"),
+]
+
+
+@pytest.mark.parametrize(("label", "response", "case"), WRONG, ids=[case for *_, case in WRONG])
+def test_wrong_answers_get_no_accuracy(executor, label, response, case):
+    result = grade_via_openrlhf(executor, response, label)
+    assert summary(result) == (0.0, 1.0, None)
+    assert result["rewards"].tolist() == pytest.approx([0.1])
+    assert result["scores"].tolist() == [0.0]
+
+
+# Malformed output: (response, label, (accuracy, format, flag)) exactly as the module docstring's table says.
+MALFORMED = [
+    ("", "12", (0.0, 0.0, "math_no_answer"), "empty response"),
+    ("   \n\t ", "12", (0.0, 0.0, "math_no_answer"), "whitespace only"),
+    ("<|endoftext|><|im_end|>", "12", (0.0, 0.0, "math_no_answer"), "only special tokens"),
+    ("The answer is 12.", "12", (0.0, 0.0, "math_no_answer"), "no box at all"),
+    ("So \\boxed{}", "12", (0.0, 0.0, "math_no_answer"), "empty box"),
+    ("So \\boxed{   }", "12", (0.0, 0.0, "math_no_answer"), "blank box"),
+    ("So \\boxed{1", "12", (0.0, 0.0, "math_no_answer"), "truncated inside the box"),
+    ("So \\boxed{\\frac{1}{2}", "0.5", (0.0, 0.0, "math_no_answer"), "unbalanced nested braces"),
+    ("So \\boxed", "12", (0.0, 0.0, "math_no_answer"), "truncated right after \\boxed"),
+    ("So \\boxed 12", "12", (0.0, 0.0, "math_no_answer"), "box without braces"),
+    ("So \\boxed{12}}}}", "12", (1.0, 1.0, None), "extra closing braces after the box"),
+    ("So \\boxed{\\frac{a}{b}}", "\\frac{a}{b}", (1.0, 1.0, None), "nested braces"),
+    ("\\boxed{12}", "12", (1.0, 0.0, None), "box without any reasoning"),
+    ("First \\boxed{13}, no: \\boxed{12}", "12", (1.0, 0.0, None), "several boxes: the last is graded"),
+    (
+        "First \\boxed{12}, no: \\boxed{13}",
+        "12",
+        (0.0, 0.0, None),
+        "several boxes: earlier right one ignored",
+    ),
+    ("Done \\boxed{12} then \\boxed{1", "12", (0.0, 0.0, "math_no_answer"), "last box truncated"),
+    ("So \\boxed{١٢}", "12", (0.0, 1.0, "math_parse_failure"), "Arabic-Indic digits"),
+    ("So \\boxed{１２}", "12", (0.0, 1.0, "math_parse_failure"), "full-width digits"),
+    ("So \\boxed{√3}", "\\sqrt{3}", (0.0, 1.0, "math_parse_failure"), "unicode square root"),
+    ("So \\boxed{+}", "12", (0.0, 1.0, "math_parse_failure"), "operator without operands"),
+    ("So \\boxed{" + "1" * 1001 + "}", "12", (0.0, 1.0, "math_parse_failure"), "answer over 1000 chars"),
+    ("So 😀 \\boxed{12} ✓", "12", (1.0, 1.0, None), "emoji around the answer"),
+    ("So \\boxed{12\ud800}", "12", (0.0, 1.0, "math_parse_failure"), "lone surrogate in the answer"),
+    ("So \x00 \\boxed{12}\x00", "12", (1.0, 1.0, None), "NUL characters"),
+    ("So \\boxed{12}", "", (0.0, 1.0, "math_gold_parse_failure"), "empty label"),
+    ("So \\boxed{12}", None, (0.0, 1.0, "math_gold_parse_failure"), "missing label"),
+    ("So \\boxed{12}", "<|im_end|>", (0.0, 1.0, "math_gold_parse_failure"), "label of only a special token"),
+    ("So \\boxed{12}", "1" * 2000, (0.0, 1.0, "math_gold_parse_failure"), "label over 1000 chars"),
+    ("So \\boxed{12}", "\\frac{", (0.0, 1.0, "math_gold_parse_failure"), "unparsable label"),
+    ("No answer here", "", (0.0, 0.0, "math_no_answer"), "no answer wins over a bad label"),
+    ("x" * 2_000_000 + " so \\boxed{12}", "12", (1.0, 1.0, None), "2 MB response: the tail is graded"),
+    ("So \\boxed{12} " + "x" * 2_000_000, "12", (0.0, 0.0, "math_no_answer"), "2 MB after the box: cut off"),
+    ("\\boxed{" * 5000, "12", (0.0, 0.0, "math_no_answer"), "thousands of unclosed boxes"),
+    ("{" * 100_000 + "\\boxed{12}", "12", (1.0, 1.0, None), "100k stray braces before the box"),
+    ("So \\boxed{12}<|im_end|>\\boxed{13}", "12", (1.0, 1.0, None), "text after <|im_end|> ignored"),
+    ("So <|box_start|>\\boxed{12}<|box_end|>", "12", (1.0, 1.0, None), "special tokens inside the response"),
+]
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected", "case"), MALFORMED, ids=[case for *_, case in MALFORMED]
+)
+def test_malformed_output_gets_documented_result(executor, response, label, expected, case):
+    result = grade_via_openrlhf(executor, response, label)
+    assert summary(result) == expected
+    accuracy, format_score, _ = expected
+    assert result["rewards"].tolist() == pytest.approx([accuracy + 0.1 * format_score])
+
+
+# Expressions that make sympy run for minutes or exhaust memory: the subprocess deadline ends them.
+PATHOLOGICAL = [
+    ("9^{9^{9^{9}}}", "power tower"),
+    ("10^{10^{10}}", "ten-billion-digit integer"),
+    ("(10^{100})!", "factorial of a googol"),
+    ("\\int_0^\\infty e^{-x^{x^x}} dx", "integral sympy cannot do"),
+]
+
+
+@pytest.fixture(scope="module")
+def impatient_executor(load_reward):
+    return load_reward(REWARD_VERIFY_TIMEOUT_S="1", REWARD_VERIFY_WORKERS="1")
+
+
+@pytest.mark.parametrize(("expression", "case"), PATHOLOGICAL, ids=[case for _, case in PATHOLOGICAL])
+def test_pathological_expressions_time_out_and_the_worker_is_replaced(impatient_executor, expression, case):
+    result = grade_via_openrlhf(impatient_executor, f"So \\boxed{{{expression}}}", "12")
+    assert summary(result) == (0.0, 1.0, "math_verify_timeout")
+    # The killed worker is replaced: the next sample is graded normally.
+    assert summary(grade_via_openrlhf(impatient_executor, "So \\boxed{12}", "12")) == (1.0, 1.0, None)
+
+
+def test_a_worker_that_died_while_idle_is_replaced(executor):
+    grade_via_openrlhf(executor, "So \\boxed{12}", "12")
+    pool = executor.reward_func.__globals__["_POOL"]
+    idle_worker = pool._idle.get_nowait()
+    idle_worker._process.kill()
+    idle_worker._process.wait()
+    pool._idle.put(idle_worker)
+    assert summary(grade_via_openrlhf(executor, "So \\boxed{12}", "12")) == (1.0, 1.0, None)
+
+
+# The think_answer format: (response, expected format score, expected graded answer).
+THINK_ANSWER = [
+    ("<think>3+9</think><answer>12</answer>", 1.0, "12", "canonical"),
+    ("<think>\n3+9\n</think>\n\n<answer> 12 </answer>\n", 1.0, "12", "whitespace between tags"),
+    ("<think>3+9</think><answer>\\boxed{12}</answer>", 1.0, "12", "box inside the answer tag"),
+    ("<think>3+9</think><answer>12", 0.0, None, "truncated answer tag"),
+    ("<think>3+9</think>", 0.0, None, "no answer tag"),
+    ("<answer>12</answer>", 0.0, "12", "no think tag"),
+    ("<think></think><answer>12</answer>", 0.0, "12", "empty think"),
+    ("<think>3+9</think><answer> </answer>", 0.0, None, "empty answer"),
+    ("Sure! <think>3+9</think><answer>12</answer>", 0.0, "12", "text before the think tag"),
+    ("<think>3+9</think>So:<answer>12</answer>", 0.0, "12", "text between the tags"),
+    ("<think>a</think><answer>13</answer><answer>12</answer>", 0.0, "12", "two answers: the last is graded"),
+    ("<answer>12</answer><think>3+9</think>", 0.0, "12", "tags out of order"),
+    ("<think>3+9</think><answer>12.</answer>", 1.0, "12", "trailing period"),
+]
+
+
+@pytest.mark.parametrize(
+    ("response", "format_score", "answer", "case"), THINK_ANSWER, ids=[case for *_, case in THINK_ANSWER]
+)
+def test_think_answer_format(response, format_score, answer, case):
+    assert format_reward(response, "think_answer") == format_score
+    assert extract_final_answer(response, "think_answer") == answer
+
+
+def test_think_answer_format_is_configurable_from_the_environment(load_reward):
+    think_executor = load_reward(REWARD_ANSWER_FORMAT="think_answer")
+    result = grade_via_openrlhf(think_executor, "<think>3+9</think><answer>12</answer>", "12", "think_answer")
+    assert summary(result) == (1.0, 1.0, None)
+    # A thinking chat template pre-fills "<think>\n" in the generation prompt; it is part of the query.
+    query, prompt = qwen_query("3+9</think><answer>12</answer>", "think_answer")
+    query = query.replace("<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n")
+    (prefilled,) = asyncio.run(think_executor._fetch_rewards_via_func([query], [prompt], ["12"]))
+    assert summary(prefilled) == (1.0, 1.0, None)
+
+
+# Weights from the environment: (env, response, expected reward).
+WEIGHTS = [
+    ({}, "So \\boxed{12}", 1.1, "defaults: 1.0 accuracy + 0.1 format"),
+    ({"REWARD_FORMAT_WEIGHT": "0"}, "So \\boxed{12}", 1.0, "format bonus off"),
+    ({"REWARD_ACCURACY_WEIGHT": "2", "REWARD_FORMAT_WEIGHT": "0.5"}, "So \\boxed{12}", 2.5, "both weights"),
+    ({"REWARD_FORMAT_WEIGHT": "0.5"}, "So \\boxed{13}", 0.5, "format only when wrong"),
+]
+
+
+@pytest.mark.parametrize(("env", "response", "reward", "case"), WEIGHTS, ids=[case for *_, case in WEIGHTS])
+def test_weights_come_from_the_environment(load_reward, env, response, reward, case):
+    result = grade_via_openrlhf(load_reward(**env), response, "12")
+    assert result["rewards"].tolist() == pytest.approx([reward])
+    assert result["scores"].tolist() == [1.0 if "{12}" in response else 0.0]
+
+
+# Invalid configuration fails when the file is loaded, not silently per sample.
+BAD_ENV = [
+    ({"REWARD_ANSWER_FORMAT": "xml"}, "unknown answer format"),
+    ({"REWARD_FORMAT_WEIGHT": "a lot"}, "non-numeric weight"),
+    ({"REWARD_VERIFY_TIMEOUT_S": "0"}, "zero timeout"),
+    ({"REWARD_VERIFY_WORKERS": "0"}, "no workers"),
+]
+
+
+@pytest.mark.parametrize(("env", "case"), BAD_ENV, ids=[case for _, case in BAD_ENV])
+def test_invalid_configuration_is_rejected(env, case):
+    with pytest.raises(ValueError):
+        RewardConfig.from_env(env)
+
+
+def test_openrlhf_turns_the_result_into_experience_fields(executor):
+    """What samples_generator._process_response_into_experience does with the executor's output."""
+    result = grade_via_openrlhf(executor, "So \\boxed{12}", "12")
+    reward = torch.tensor([result["rewards"]])
+    score = torch.tensor([result["scores"]])
+    assert reward.shape == score.shape == (1,)
+    info = {key: torch.tensor([value]) for key, value in result["extra_logs"].items()}
+    assert info["math_accuracy"].item() == 1.0
+
+
+def test_batches_are_graded_per_sample_with_mean_logs(executor):
+    samples = [qwen_query(response) for response in ["So \\boxed{12}", "So \\boxed{13}", "", "\\boxed{12}"]]
+    queries, prompts = [query for query, _ in samples], [prompt for _, prompt in samples]
+    result = executor.reward_func(queries, prompts, ["12"] * 4)
+    assert result["scores"].tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert result["rewards"].tolist() == pytest.approx([1.1, 0.1, 0.0, 1.0])
+    assert result["extra_logs"]["math_accuracy"] == 0.5
+    assert result["extra_logs"]["math_no_answer"] == 0.25
+    assert executor.reward_func([], [], [])["rewards"].shape == (0,)
+
+
+def test_works_from_plain_threads_and_asyncio_to_thread(executor):
+    """More concurrent callers than verifier workers, from threads that are not the main thread."""
+    labels = [str(n) for n in range(12)]
+    samples = [(*qwen_query(f"So \\boxed{{{n}}}"), label) for n, label in zip(range(12), labels, strict=True)]
+
+    async def all_at_once():
+        calls = [asyncio.to_thread(executor.reward_func, [q], [p], [label]) for q, p, label in samples]
+        return await asyncio.gather(*calls)
+
+    assert [r["scores"].item() for r in asyncio.run(all_at_once())] == [1.0] * 12
+
+    results = [None] * len(samples)
+
+    def worker(index):
+        query, prompt, label = samples[index]
+        results[index] = executor.reward_func([query], [prompt], [label])["scores"].item()
+
+    threads = [threading.Thread(target=worker, args=(index,)) for index in range(len(samples))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [1.0] * 12
+
+
+def test_function_and_result_are_picklable():
+    assert pickle.loads(pickle.dumps(math_answer.reward_func)) is math_answer.reward_func
+    query, prompt = qwen_query("So \\boxed{12}")
+    result = pickle.loads(pickle.dumps(math_answer.reward_func([query], [prompt], ["12"])))
+    assert result["scores"].tolist() == [1.0]
+
+
+# Response extraction from the decoded query: (query, prompt, expected response).
+PROMPT = "<|im_start|>user\nFind x.<|im_end|>\n<|im_start|>assistant\n"
+EXTRACTION = [
+    (PROMPT + "x is 12<|im_end|>", PROMPT, "x is 12", "plain Qwen turn"),
+    (PROMPT + "x is 12<|im_end|><|endoftext|><|endoftext|>", PROMPT, "x is 12", "padding after end of turn"),
+    (PROMPT + "x is 12", PROMPT, "x is 12", "truncated: no end of turn"),
+    (
+        PROMPT.replace("Find", "<|vision_start|>" + "<|image_pad|>" * 300 + "<|vision_end|>Find")
+        + "12<|im_end|>",
+        PROMPT,
+        "12",
+        "expanded image pads: the prompt is not a substring of the query",
+    ),
+    (PROMPT + "a<|im_end|>\n<|im_start|>assistant\nb<|im_end|>", PROMPT, "b", "last assistant turn wins"),
+    (PROMPT + "a<|im_end|>junk", PROMPT, "a", "text after end of turn dropped"),
+    (PROMPT + "<|box_start|>a<|box_end|>", PROMPT, "a", "other special tokens stripped"),
+    ("Q: Find x. A: 12", "Q: Find x. A:", "12", "no chat template: prompt prefix removed"),
+    ("Q: Find x. A: 12", "unrelated prompt", "", "no marker and no prefix: nothing to grade"),
+    ("", "", "", "empty query"),
+]
+
+
+@pytest.mark.parametrize(
+    ("query", "prompt", "response", "case"), EXTRACTION, ids=[case for *_, case in EXTRACTION]
+)
+def test_extract_response(query, prompt, response, case):
+    assert extract_response(query, prompt) == response
+
+
+# Boxed extraction: (text, content of the last box or None).
+BOXED = [
+    ("\\boxed{12}", "12", "simple"),
+    ("\\boxed {12}", "12", "space before brace"),
+    ("\\boxed{\\frac{1}{\\sqrt{2}}}", "\\frac{1}{\\sqrt{2}}", "nested"),
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}", "escaped braces"),
+    ("\\boxed{1} \\boxed{2}", "2", "last one"),
+    ("\\boxed{1} \\boxed{2", None, "last one unclosed"),
+    ("\\boxed{12\\", None, "ends in a backslash"),
+    ("no box", None, "none"),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "case"), BOXED, ids=[case for *_, case in BOXED])
+def test_last_boxed_content(text, content, case):
+    assert last_boxed_content(text) == content
+
+
+# Gold labels as math-verify input: (label, latex or None).
+GOLD = [
+    ("12", "$12$", "bare label wrapped"),
+    ("  3\\sqrt{3} ", "$3\\sqrt{3}$", "whitespace stripped"),
+    ("$12$", "$12$", "already delimited"),
+    ("\\boxed{12}", "\\boxed{12}", "already boxed"),
+    ("12<|endoftext|>", "$12$", "special token stripped"),
+    (12.5, "$12.5$", "number"),
+    ("", None, "empty"),
+    (None, None, "missing"),
+]
+
+
+@pytest.mark.parametrize(("label", "latex", "case"), GOLD, ids=[case for *_, case in GOLD])
+def test_gold_latex(label, latex, case):
+    assert gold_latex(label) == latex
+
+
+def test_random_garbage_never_breaks_the_text_handling():
+    """Seeded fuzz of the code that runs in the trainer process (the verifier runs in a subprocess)."""
+    pieces = ["\\boxed", "{", "}", "\\", "<think>", "</think>", "<answer>", "</answer>", "<|im_end|>",
+              "<|im_start|>assistant", "12", "\\frac", " ", "\n", "é", "😀", "\ud800", "$"]  # fmt: skip
+    generator = random.Random(0)
+    for _ in range(2000):
+        text = "".join(generator.choice(pieces) for _ in range(generator.randint(0, 40)))
+        response = extract_response(text, None)
+        for answer_format in ("boxed", "think_answer"):
+            assert format_reward(response, answer_format) in (0.0, 1.0)
+            answer = extract_final_answer(response, answer_format)
+            assert answer is None or answer.strip()
+
+
+def test_registry_names_the_reward_file():
+    assert REWARDS["math_answer"] is math_answer.reward_func
+    assert reward_file("math_answer") == REWARD_FILE
+    with pytest.raises(KeyError):
+        reward_file("nope")

