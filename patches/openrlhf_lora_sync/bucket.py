@@ -9,8 +9,8 @@ Does not cover: moving the buffer between processes (transport.py).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -18,8 +18,10 @@ import torch
 ALIGNMENT = 64
 
 
-@dataclass(frozen=True)
-class TensorMeta:
+class TensorMeta(NamedTuple):
+    """Where one tensor lies in a bucket. A plain tuple on the wire: vLLM's multiprocess RPC turns
+    dataclasses into dicts, tuples stay sequences, so receivers rebuild it with TensorMeta(*fields)."""
+
     name: str
     dtype: str  # e.g. "bfloat16": plain data, picklable across any RPC
     shape: tuple[int, ...]
@@ -57,8 +59,9 @@ def pack(
     return buffer, metas
 
 
-def unpack(buffer: torch.Tensor, metas: Iterable[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+def unpack(buffer: torch.Tensor, metas: Iterable[Sequence]) -> list[tuple[str, torch.Tensor]]:
     """Views into `buffer` (no copy): valid while the buffer is."""
+    metas = [TensorMeta(*meta) for meta in metas]
     return [
         (
             meta.name,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -30,6 +31,9 @@ def start_engine(model_dir: str, dtype: str, *, images_per_prompt: int = 0, max_
     from openrlhf_lora_sync.worker_extension import WORKER_EXTENSION_CLS
 
     extra = {}
+    # A checkpoint without tokenizer files still runs: prompts are token ids, outputs are not decoded.
+    if not any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+        extra["skip_tokenizer_init"] = True
     if images_per_prompt:
         extra["limit_mm_per_prompt"] = {"image": images_per_prompt, "video": 0}
     return LLM(
@@ -54,7 +58,7 @@ def vllm_prompt_logprobs(llm, token_ids: Sequence[int], image=None) -> torch.Ten
     prompt = TokensPrompt(prompt_token_ids=list(token_ids))
     if image is not None:
         prompt["multi_modal_data"] = {"image": image}
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
     (output,) = llm.generate([prompt], params, use_tqdm=False)
     # With an image, vLLM expands the single image placeholder; index by the tokens it actually scored.
     scored = output.prompt_token_ids

@@ -4,15 +4,16 @@ Covers:
 - splitting a (peft-wrapped, possibly ZeRO-3-partitioned) policy into sync units, one module each:
   a LoRA layer is one unit holding its base weight/bias and its adapters; any other module with
   parameters of its own is a unit too; a `modules_to_save` wrapper contributes its trained copy;
-- computing a unit's effective weights out of place in fp32, with peft's own delta math
-  (`get_delta_weight`: scaling, rsLoRA and fan_in_fan_out as peft defines them), then casting to the
-  engine dtype. Nothing is merged into the model in place: bf16 merge/unmerge cycles drift;
+- computing a unit's effective weights out of place, base weight upcast to fp32 plus peft's own delta
+  (`get_delta_weight`: scaling, rsLoRA and fan_in_fan_out as peft defines them; computed in the
+  adapters' dtype, fp32 under peft's default autocast_adapter_dtype, which OpenRLHF uses), then cast
+  to the engine dtype. Nothing is merged into the model in place: bf16 merge/unmerge cycles drift;
 - naming: peft runtime names (`base_model.model.…`, `.base_layer`, `modules_to_save.<adapter>`) are
   mapped back to the names the HF checkpoint on disk uses, with transformers' own reverse weight
   conversion (transformers 5 renames some families at load time, e.g. Qwen2.5-VL's
   `model.layers.*` -> `model.language_model.layers.*`), which is what vLLM's loader reads;
-- refusing adapters this path does not handle (DoRA, LoRA on embeddings or convolutions, merged
-  layers) before any sync.
+- refusing adapters this path does not handle (DoRA, LoRA on embeddings or convolutions, lora_bias,
+  merged layers) before any sync.
 
 Does not cover: choosing what to send (plan.py), packing and transport (bucket.py, transport.py).
 """
@@ -97,6 +98,10 @@ def check_supported_adapters(model: nn.Module) -> None:
                 f"{where}: LoRA on {type(module).__name__} is not supported; target linear layers only "
                 "(e.g. --ds.lora.target_modules q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)"
             )
+        if any(module.lora_bias.get(adapter, False) for adapter in module.active_adapters):
+            raise UnsupportedAdapterError(
+                f"{where}: LoRA with a trainable bias (lora_bias=True) is not supported; use lora_bias=False"
+            )
         if module.merged:
             raise UnsupportedAdapterError(
                 f"{where}: adapters are merged into the base weight; unmerge them first"
@@ -149,13 +154,24 @@ def sync_units(model: nn.Module) -> list[SyncUnit]:
     return units
 
 
+@contextlib.contextmanager
 def _gathered(params: list[nn.Parameter]):
-    """Full parameters for the duration of the block under ZeRO-3 (one module at a time), else a no-op."""
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
+    """Full parameters for the duration of the block under ZeRO-3 (one module at a time), else a no-op.
 
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-    return contextlib.nullcontext()
+    One GatheredParameters per parameter: with several in one call DeepSpeed 0.19.6 launches an async
+    all-gather per parameter but waits on the last only, which on CPU/gloo (no stream ordering) lets the
+    others be read mid-gather (tests/test_zero3_sync.py caught it). A single parameter takes the blocking
+    path; nesting contexts on different parameters is allowed."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with contextlib.ExitStack() as stack:
+        for param in partitioned:
+            stack.enter_context(deepspeed.zero.GatheredParameters([param], modifier_rank=None))
+        yield
 
 
 @torch.no_grad()

@@ -94,24 +94,33 @@ def sync_weights(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     packed_modules: dict[str, list[str]] | None = None,
     force_full: bool = False,
+    send: bool = True,
 ) -> SyncStats:
-    """Bring the engines to the policy's current effective weights (full or delta, as `state` decides)."""
+    """Bring the engines to the policy's current effective weights (full or delta, as `state` decides).
+
+    Under ZeRO-3 every trainer rank must call this (gathering is collective) with the same plan
+    inputs; only the rank with send=True talks to the engines."""
     start = time.perf_counter()
     plan = state.next_plan(sync_units(model), packed_modules or DEFAULT_PACKED_MODULES, force_full)
     tensors = total_bytes = buckets = 0
-    engines.rpc("begin_weight_sync")
+    if send:
+        engines.rpc("begin_weight_sync")
     try:
         for bucket in split_groups(_groups_by_parent(model, plan.units, dtype), bucket_bytes):
-            nbytes, _ = send_via_shm(engines.rpc, bucket)
+            if send:
+                nbytes, _ = send_via_shm(engines.rpc, bucket)
+                total_bytes += nbytes
             tensors += len(bucket)
-            total_bytes += nbytes
             buckets += 1
-        engines.rpc("finish_weight_sync", plan.mode == "full")
+        if send:
+            engines.rpc("finish_weight_sync", plan.mode == "full")
     except BaseException:
         state.weights_lost("the previous sync failed midway")
-        with contextlib.suppress(Exception):  # close the engine's reload session; its weights are unknown now
-            engines.rpc("finish_weight_sync", False)
+        if send:
+            with contextlib.suppress(Exception):  # close the engine's reload session; its weights are unknown
+                engines.rpc("finish_weight_sync", False)
         raise
-    engines.reset_caches()
+    if send:
+        engines.reset_caches()
     state.synced()
     return SyncStats(plan.mode, plan.reason, tensors, total_bytes, buckets, time.perf_counter() - start)

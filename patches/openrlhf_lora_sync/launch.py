@@ -1,0 +1,55 @@
+"""Launcher: apply the patch everywhere, then run OpenRLHF's own `train_ppo_ray` with the user's flags.
+
+    python -m openrlhf_lora_sync.launch --pretrain ... --ds.lora.rank 64 ...   (train_ppo_ray's flags)
+
+Covers: refusing unsupported OpenRLHF/vLLM releases before anything starts; starting Ray (or joining
+the cluster named by RAY_ADDRESS) with `apply` as the worker-process setup hook, so every Ray actor
+and task (nested ones too) is patched, and with this repo's settings (LORA_SYNC_*, REWARD_*, WANDB_*)
+forwarded to them; then running the upstream CLI module as __main__, so its flags, defaults and
+validation are OpenRLHF's own.
+Does not cover: rendering recipes into flags (scripts/run_grpo_lora.sh) or preflight checks.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+SETUP_HOOK = "openrlhf_lora_sync.openrlhf_patch.apply"
+FORWARDED_PREFIXES = ("LORA_SYNC_", "REWARD_", "WANDB_", "HF_", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_")
+# What train_ppo_ray's own ray.init would set; it skips its init when Ray is already up.
+OPENRLHF_RAY_ENV_DEFAULTS = {
+    "TOKENIZERS_PARALLELISM": "true",
+    "NCCL_DEBUG": "WARN",
+    "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+}
+
+
+def ray_runtime_env() -> dict:
+    env_vars = {name: os.environ.get(name, default) for name, default in OPENRLHF_RAY_ENV_DEFAULTS.items()}
+    env_vars.update({k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)})
+    return {"worker_process_setup_hook": SETUP_HOOK, "env_vars": env_vars}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from openrlhf_lora_sync.openrlhf_patch import UnsupportedVersionError, apply
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        apply()
+    except UnsupportedVersionError as error:
+        print(f"openrlhf_lora_sync: {error}", file=sys.stderr)
+        return 2
+
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), runtime_env=ray_runtime_env())
+    sys.argv = ["openrlhf.cli.train_ppo_ray", *argv]
+    runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

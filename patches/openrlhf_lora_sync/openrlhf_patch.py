@@ -1,0 +1,199 @@
+"""The run-time patch of OpenRLHF 0.11.2: LoRA-aware merge-then-sync in place of `broadcast_to_vllm`.
+
+`apply()` is idempotent and is run in every process that needs it: the driver (by the launcher,
+launch.py) and every Ray worker process, nested ones included (the launcher passes it to `ray.init` as
+`runtime_env["worker_process_setup_hook"]`). vLLM's engine-core process is not a Ray worker; it gets
+this package's worker extension by import name, which the patched engine actor passes to vLLM.
+
+What it changes:
+- `ActorPPOTrainer.broadcast_to_vllm` -> `lora_broadcast_to_vllm`: every trainer rank gathers the
+  policy one module at a time under ZeRO-3 and merges LoRA out of place (merge.py); rank 0 sends
+  buckets under HF checkpoint names in the engine dtype (bf16: OpenRLHF hardcodes it) over the chosen
+  transport, full or delta as the engines' state requires (plan.py), and logs one line per sync;
+- `RolloutRayActor` (the vLLM engine actor): loads `LoraSyncWorkerExtension` instead of OpenRLHF's
+  `WorkerWrap`; gains `lora_sync_rpc` (collective_rpc to its workers) and `reset_all_caches` (prefix,
+  multimodal and encoder caches through the engine, which knows its scheduler); `sleep` honours
+  LORA_SYNC_VLLM_SLEEP_LEVEL (2 discards weights, so every following sync is full).
+
+Settings, read from the environment (the launcher forwards them to every Ray worker):
+  LORA_SYNC_TRANSPORT     auto | shm | cuda_ipc   (auto: shm; cuda_ipc only when asked, see transport.py)
+  LORA_SYNC_BUCKET_MB     bucket size, default 512
+  LORA_SYNC_FORCE_FULL    1: every sync is full
+  LORA_SYNC_VLLM_SLEEP_LEVEL  1 (OpenRLHF's default) or 2
+
+Does not cover: non-colocated engines over NCCL (the upstream path stays in place for those runs:
+`broadcast_to_vllm` falls back to it when the run is not colocated), OpenRLHF's async trainer
+(ppo_trainer_async), and OpenRLHF/vLLM releases other than the pinned ones, which `apply()` refuses.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from importlib.metadata import version
+from pathlib import Path
+
+import tomllib
+
+logger = logging.getLogger("openrlhf_lora_sync")
+
+PINS_FILE = Path(__file__).resolve().parents[2] / "versions.toml"
+_APPLIED_MARK = "_openrlhf_lora_sync_patched"
+
+
+class UnsupportedVersionError(RuntimeError):
+    pass
+
+
+def supported_versions() -> dict[str, str]:
+    """The OpenRLHF and vLLM releases this patch was written for: the pins in versions.toml."""
+    pins = tomllib.loads(PINS_FILE.read_text())
+    return {"openrlhf": pins["shared"]["openrlhf"], "vllm": pins["gpu"]["vllm"]}
+
+
+def check_versions() -> None:
+    supported = supported_versions()
+    installed = {"openrlhf": version("openrlhf"), "vllm": __import__("vllm").__version__}
+    wrong = {name: v for name, v in installed.items() if v.split("+")[0] != supported[name]}
+    if wrong:
+        found = ", ".join(f"{name} {v}" for name, v in wrong.items())
+        raise UnsupportedVersionError(
+            f"openrlhf_lora_sync supports OpenRLHF {supported['openrlhf']} with vLLM {supported['vllm']} "
+            f"only; found {found}. Install the pinned stack (bash scripts/setup_env.sh) or port the patch "
+            "(tests/test_openrlhf_contract.py lists what it relies on)."
+        )
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    try:
+        return int(value) if value else default
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected an integer") from None
+
+
+def sleep_level() -> int:
+    level = _env_int("LORA_SYNC_VLLM_SLEEP_LEVEL", 1)
+    if level not in (1, 2):
+        raise ValueError(f"LORA_SYNC_VLLM_SLEEP_LEVEL={level}: vLLM sleep levels are 1 and 2")
+    return level
+
+
+class RayEngines:
+    """OpenRLHF's vLLM engine actors, as sync.py's Engines."""
+
+    def __init__(self, engine_actors) -> None:
+        self.actors = engine_actors
+
+    def rpc(self, method: str, *args) -> list:
+        import ray
+
+        return [
+            r
+            for results in ray.get([a.lora_sync_rpc.remote(method, *args) for a in self.actors])
+            for r in results
+        ]
+
+    def reset_caches(self) -> None:
+        import ray
+
+        ray.get([a.reset_all_caches.remote() for a in self.actors])
+
+
+def lora_broadcast_to_vllm(self) -> None:
+    """Replacement for ActorPPOTrainer.broadcast_to_vllm (runs on every trainer rank)."""
+    import torch
+
+    from openrlhf_lora_sync.plan import SyncState
+    from openrlhf_lora_sync.sync import sync_weights
+
+    if not self.strategy.args.train.colocate_all:
+        return _upstream_broadcast_to_vllm(self)
+    transport = os.environ.get("LORA_SYNC_TRANSPORT", "auto")
+    if transport not in ("auto", "shm"):
+        raise ValueError(f"LORA_SYNC_TRANSPORT={transport!r}: this version syncs through 'shm' (or 'auto')")
+    state = getattr(self, "_lora_sync_state", None)
+    if state is None:
+        state = self._lora_sync_state = SyncState()
+    if sleep_level() == 2:
+        state.weights_lost("vLLM sleep level 2 discarded the engine's weights")
+    distributed = torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if distributed else 0
+    engines = RayEngines(self.vllm_engines)
+    packed = getattr(self, "_lora_sync_packed", None)
+    if packed is None:
+        # Every rank must plan the same units (the gathers are collective): rank 0 asks, all use its answer.
+        shared = [engines.rpc("packed_modules_mapping")[0] if rank == 0 else None]
+        if distributed:
+            torch.distributed.broadcast_object_list(shared, src=0)
+        packed = self._lora_sync_packed = shared[0]
+    stats = sync_weights(
+        self.actor.model.module,
+        engines,
+        state,
+        dtype=torch.bfloat16,  # create_vllm_engines hardcodes bf16 engines
+        packed_modules=packed,
+        bucket_bytes=_env_int("LORA_SYNC_BUCKET_MB", 512) << 20,
+        force_full=os.environ.get("LORA_SYNC_FORCE_FULL") == "1",
+        send=rank == 0,
+    )
+    if rank == 0:
+        logger.warning("%s", stats)
+    self._lora_sync_last_stats = stats
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _lora_engine_actor(upstream_actor):
+    """A Ray actor class: OpenRLHF's engine actor plus what the sync needs. Methods must exist when
+    `ray.remote` builds the class (actor handles only expose those), hence a subclass, not attributes
+    added to the upstream class afterwards."""
+    import ray
+
+    from openrlhf_lora_sync.worker_extension import WORKER_EXTENSION_CLS
+
+    upstream = upstream_actor.__ray_metadata__.modified_class.__bases__[0]
+
+    class LoraSyncRolloutRayActor(upstream):
+        async def __init__(self, *args, **kwargs):
+            kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLS
+            await super().__init__(*args, **kwargs)
+
+        async def sleep(self, level=None):
+            await super().sleep(level=sleep_level() if level is None else level)
+
+        async def lora_sync_rpc(self, method: str, *args):
+            return await self.llm.collective_rpc(method, args=args)
+
+        async def reset_all_caches(self) -> None:
+            await self.llm.reset_prefix_cache()
+            await self.llm.reset_mm_cache()
+            await self.llm.reset_encoder_cache()
+
+    LoraSyncRolloutRayActor.__qualname__ = LoraSyncRolloutRayActor.__name__ = "RolloutRayActor"
+    return ray.remote(LoraSyncRolloutRayActor)
+
+
+_upstream_broadcast_to_vllm = None
+
+
+def apply() -> None:
+    """Patch OpenRLHF in this process (idempotent). Raises UnsupportedVersionError on other releases."""
+    global _upstream_broadcast_to_vllm
+    from openrlhf.trainer.ray import ppo_actor, vllm_engine
+
+    trainer_cls = ppo_actor.ActorPPOTrainer
+    if getattr(trainer_cls, _APPLIED_MARK, False):
+        return
+    check_versions()
+    _upstream_broadcast_to_vllm = trainer_cls.broadcast_to_vllm
+    trainer_cls.broadcast_to_vllm = lora_broadcast_to_vllm
+    # create_vllm_engines looks RolloutRayActor up in its module when it runs.
+    vllm_engine.RolloutRayActor = _lora_engine_actor(vllm_engine.RolloutRayActor)
+    setattr(trainer_cls, _APPLIED_MARK, True)
+
+
+def is_applied() -> bool:
+    from openrlhf.trainer.ray import ppo_actor
+
+    return getattr(ppo_actor.ActorPPOTrainer, _APPLIED_MARK, False)

@@ -1,0 +1,141 @@
+"""The patch applied to the installed OpenRLHF: idempotence, version refusal, Ray workers, and the
+patched `ActorPPOTrainer.broadcast_to_vllm` itself syncing a LoRA policy into a real vLLM engine actor.
+
+The engine test runs OpenRLHF's own `RolloutRayActor` (vLLM's AsyncLLM with V1 multiprocessing, so the
+engine core is a separate, non-Ray process that loads the worker extension by import name) on CPU,
+and calls the patched method (not a copy) with the trainer's attributes it reads.
+Does not cover: a whole `train_ppo_ray` run (the CPU smoke issue), CUDA IPC or NCCL (gpu tests).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from openrlhf.trainer.ray import ppo_actor, vllm_engine
+from openrlhf_lora_sync import openrlhf_patch
+from openrlhf_lora_sync.launch import ray_runtime_env
+from openrlhf_lora_sync.logprob_check import LOGPROB_TOLERANCE, hf_prompt_logprobs, max_abs_diff
+from openrlhf_lora_sync.tiny_models import BYTE_VOCAB_SIZE
+
+
+def _patched_state():
+    return ppo_actor.ActorPPOTrainer.broadcast_to_vllm, vllm_engine.RolloutRayActor
+
+
+def test_apply_is_idempotent():
+    openrlhf_patch.apply()
+    first = _patched_state()
+    openrlhf_patch.apply()
+    assert _patched_state() == first
+    assert ppo_actor.ActorPPOTrainer.broadcast_to_vllm is openrlhf_patch.lora_broadcast_to_vllm
+    assert openrlhf_patch.is_applied()
+
+
+@pytest.mark.parametrize("package, fake_version", [("openrlhf", "0.11.3"), ("vllm", "0.27.1")])
+def test_refuses_versions_it_was_not_written_for(package, fake_version, monkeypatch):
+    if package == "openrlhf":
+        monkeypatch.setattr(openrlhf_patch, "version", lambda name: fake_version)
+    else:
+        monkeypatch.setattr("vllm.__version__", fake_version)
+    with pytest.raises(openrlhf_patch.UnsupportedVersionError) as error:
+        openrlhf_patch.check_versions()
+    supported = openrlhf_patch.supported_versions()
+    assert fake_version in str(error.value)
+    assert f"OpenRLHF {supported['openrlhf']}" in str(error.value) and f"vLLM {supported['vllm']}" in str(
+        error.value
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env=ray_runtime_env(), log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_patch_reaches_ray_tasks_actors_and_nested_tasks(ray_cluster):
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    def patched_here() -> bool:
+        from openrlhf.trainer.ray.ppo_actor import ActorPPOTrainer
+
+        return ActorPPOTrainer.broadcast_to_vllm.__name__ == "lora_broadcast_to_vllm"
+
+    @ray.remote(num_cpus=0)
+    def nested() -> bool:
+        return ray.get(patched_here.remote())
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def patched(self) -> bool:
+            return ray.get(patched_here.remote()) and openrlhf_patch.is_applied()
+
+    assert ray.get(patched_here.remote())
+    assert ray.get(nested.remote())
+    assert ray.get(Probe.remote().patched.remote())
+
+
+def test_patched_broadcast_to_vllm_syncs_a_real_engine_actor(ray_cluster, tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+    from vllm import SamplingParams
+
+    ray = ray_cluster
+    openrlhf_patch.apply()
+    model_dir = str(tiny_model_dir("qwen2_5_vl"))
+    # OpenRLHF's engines are bf16 (create_vllm_engines hardcodes it); its policy is bf16 with fp32 adapters.
+    engine = vllm_engine.RolloutRayActor.options(num_cpus=1, num_gpus=0).remote(
+        model=model_dir,
+        dtype="bfloat16",
+        seed=0,
+        enforce_eager=True,
+        max_model_len=512,
+        kv_cache_memory_bytes=64 << 20,
+        distributed_executor_backend="uni",
+        worker_extension_cls="openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap",  # what upstream passes
+        num_gpus=0,
+    )
+    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    lora = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        target_modules=r".*language_model.*\.(q_proj|v_proj|up_proj)",
+        init_lora_weights=False,
+    )
+    policy = get_peft_model(base, lora)
+    import copy
+
+    reference = copy.deepcopy(policy).merge_and_unload().eval()
+    token_ids = torch.randint(0, BYTE_VOCAB_SIZE, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+    expected = hf_prompt_logprobs(reference, token_ids)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+
+    def engine_diff() -> float:
+        output = ray.get(engine.generate.remote(token_ids, params))
+        got = torch.tensor(
+            [e[t].logprob for e, t in zip(output.prompt_logprobs[1:], token_ids[1:], strict=True)]
+        )
+        return max_abs_diff(got, expected)
+
+    trainer = SimpleNamespace(
+        actor=SimpleNamespace(model=SimpleNamespace(module=policy)),
+        strategy=SimpleNamespace(args=SimpleNamespace(train=SimpleNamespace(colocate_all=True))),
+        vllm_engines=[engine],
+    )
+    assert ray.get(engine.lora_sync_rpc.remote("packed_modules_mapping"))[0]  # our extension is loaded
+    before = engine_diff()
+    ppo_actor.ActorPPOTrainer.broadcast_to_vllm(trainer)
+    after = engine_diff()
+
+    assert trainer._lora_sync_last_stats.mode == "full"
+    assert before > 10 * LOGPROB_TOLERANCE["bfloat16"]
+    assert after <= LOGPROB_TOLERANCE["bfloat16"], f"before {before:.3g}, after {after:.3g}"
+    ppo_actor.ActorPPOTrainer.broadcast_to_vllm(trainer)
+    assert trainer._lora_sync_last_stats.mode == "delta"
+    assert engine_diff() <= LOGPROB_TOLERANCE["bfloat16"]

