@@ -28,14 +28,18 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def load_table(table: str) -> dict[str, str]:
+    pins = tomllib.loads(PINS_FILE.read_text())[table]
+    return {_normalize(name): version for name, version in pins.items()}
+
+
 def load_pins(stack: str) -> dict[str, str]:
     """Pins of one stack: [shared] overlaid with the stack's own table, plus [dev]."""
     if stack not in STACKS:
         raise SystemExit(f"unknown stack {stack!r}; expected one of {STACKS}")
-    tables = tomllib.loads(PINS_FILE.read_text())
     pins: dict[str, str] = {}
     for table in ("shared", stack, "dev"):
-        pins.update({_normalize(name): version for name, version in tables[table].items()})
+        pins.update(load_table(table))
     return pins
 
 
@@ -88,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     get.add_argument("--stack", choices=STACKS, default="gpu")
     constraints = commands.add_parser("constraints", help="print a stack's pins as pip constraints")
     constraints.add_argument("--stack", choices=STACKS, required=True)
+    commands.add_parser("dev", help="print the [dev] pins (test tools) as pip requirements")
     requirements = commands.add_parser("requirements", help="runtime requirements of installed dists")
     requirements.add_argument("distributions", nargs="+")
     requirements.add_argument("--exclude", nargs="*", default=[])
@@ -105,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         print(pins[name])
     elif args.command == "constraints":
         print("\n".join(f"{name}=={version}" for name, version in load_pins(args.stack).items()))
+    elif args.command == "dev":
+        print("\n".join(f"{name}=={version}" for name, version in load_table("dev").items()))
     elif args.command == "requirements":
         print("\n".join(runtime_requirements(args.distributions, {_normalize(n) for n in args.exclude})))
     elif args.command == "check":

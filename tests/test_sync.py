@@ -251,3 +251,21 @@ def test_buckets_respect_the_limit_and_never_split_a_group():
         assert sum(t.numel() for _, t in bucket) <= 1024 or len(bucket) == 3
     # A group bigger than the limit travels alone rather than being split.
     assert [len(b) for b in split_groups(groups[:2], limit_bytes=100)] == [3, 3]
+
+
+def test_modules_to_save_copy_is_what_the_engine_gets(tiny_model_dir, sync_engine):
+    """peft trains a full copy of a `modules_to_save` module; the sync must send that copy, named as the
+    original, in full and in delta syncs."""
+    model_dir = tiny_model_dir("qwen3")
+    engine, tolerance = sync_engine("qwen3"), LOGPROB_TOLERANCE["float32"]
+    engines = LocalEngines(engine)
+    policy = lora_policy(model_dir, "qwen3", ["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    state = SyncState()
+    sync_weights(policy, engines, state, dtype=torch.float32)
+    with torch.no_grad():
+        copy_weight = policy.base_model.model.lm_head.modules_to_save["default"].weight
+        copy_weight.add_(0.5 * torch.randn_like(copy_weight))
+    plan = state.next_plan(sync_units(policy), engines.rpc("packed_modules_mapping")[0])
+    delta = sync_weights(policy, engines, state, dtype=torch.float32)
+    assert "lm_head" in plan.module_names and delta.mode == "delta"
+    assert text_diff(engine, merged_reference(policy)) <= tolerance

@@ -16,14 +16,15 @@ What it changes:
   LORA_SYNC_VLLM_SLEEP_LEVEL (2 discards weights, so every following sync is full).
 
 Settings, read from the environment (the launcher forwards them to every Ray worker):
-  LORA_SYNC_TRANSPORT     auto | shm | cuda_ipc   (auto: shm; cuda_ipc only when asked, see transport.py)
+  LORA_SYNC_TRANSPORT     auto | shm | cuda_ipc   (auto: shm; cuda_ipc, whose buckets avoid pidfd_getfd,
+                          stays opt-in until it has been measured on GPUs: see transport.py)
   LORA_SYNC_BUCKET_MB     bucket size, default 512
   LORA_SYNC_FORCE_FULL    1: every sync is full
   LORA_SYNC_VLLM_SLEEP_LEVEL  1 (OpenRLHF's default) or 2
 
-Does not cover: non-colocated engines over NCCL (the upstream path stays in place for those runs:
-`broadcast_to_vllm` falls back to it when the run is not colocated), OpenRLHF's async trainer
-(ppo_trainer_async), and OpenRLHF/vLLM releases other than the pinned ones, which `apply()` refuses.
+Does not cover: engines on other nodes (shared memory and CUDA IPC reach only this node; an NCCL
+transport is not written yet), and OpenRLHF/vLLM releases other than the pinned ones, which `apply()`
+refuses.
 """
 
 from __future__ import annotations
@@ -79,6 +80,20 @@ def sleep_level() -> int:
     return level
 
 
+def sync_transport() -> str:
+    """LORA_SYNC_TRANSPORT: auto (= shm), shm, or cuda_ipc (colocated GPUs; opt-in until measured on GPUs)."""
+    from openrlhf_lora_sync.transport import TRANSPORTS
+
+    name = os.environ.get("LORA_SYNC_TRANSPORT", "auto")
+    if name == "auto":
+        return "shm"
+    if name not in TRANSPORTS:
+        raise ValueError(f"LORA_SYNC_TRANSPORT={name!r}: expected auto, {', '.join(TRANSPORTS)}")
+    if name == "cuda_ipc" and not __import__("torch").cuda.is_available():
+        raise ValueError("LORA_SYNC_TRANSPORT=cuda_ipc needs CUDA on the trainer; use shm")
+    return name
+
+
 class RayEngines:
     """OpenRLHF's vLLM engine actors, as sync.py's Engines."""
 
@@ -107,11 +122,7 @@ def lora_broadcast_to_vllm(self) -> None:
     from openrlhf_lora_sync.plan import SyncState
     from openrlhf_lora_sync.sync import sync_weights
 
-    if not self.strategy.args.train.colocate_all:
-        return _upstream_broadcast_to_vllm(self)
-    transport = os.environ.get("LORA_SYNC_TRANSPORT", "auto")
-    if transport not in ("auto", "shm"):
-        raise ValueError(f"LORA_SYNC_TRANSPORT={transport!r}: this version syncs through 'shm' (or 'auto')")
+    transport = sync_transport()
     state = getattr(self, "_lora_sync_state", None)
     if state is None:
         state = self._lora_sync_state = SyncState()
@@ -136,6 +147,7 @@ def lora_broadcast_to_vllm(self) -> None:
         bucket_bytes=_env_int("LORA_SYNC_BUCKET_MB", 512) << 20,
         force_full=os.environ.get("LORA_SYNC_FORCE_FULL") == "1",
         send=rank == 0,
+        transport=transport,
     )
     if rank == 0:
         logger.warning("%s", stats)
@@ -174,19 +186,14 @@ def _lora_engine_actor(upstream_actor):
     return ray.remote(LoraSyncRolloutRayActor)
 
 
-_upstream_broadcast_to_vllm = None
-
-
 def apply() -> None:
     """Patch OpenRLHF in this process (idempotent). Raises UnsupportedVersionError on other releases."""
-    global _upstream_broadcast_to_vllm
     from openrlhf.trainer.ray import ppo_actor, vllm_engine
 
     trainer_cls = ppo_actor.ActorPPOTrainer
     if getattr(trainer_cls, _APPLIED_MARK, False):
         return
     check_versions()
-    _upstream_broadcast_to_vllm = trainer_cls.broadcast_to_vllm
     trainer_cls.broadcast_to_vllm = lora_broadcast_to_vllm
     # create_vllm_engines looks RolloutRayActor up in its module when it runs.
     vllm_engine.RolloutRayActor = _lora_engine_actor(vllm_engine.RolloutRayActor)

@@ -24,7 +24,7 @@ from torch import nn
 from openrlhf_lora_sync.bucket import split_groups
 from openrlhf_lora_sync.merge import SyncUnit, iter_effective_checkpoint_tensors, sync_units
 from openrlhf_lora_sync.plan import DEFAULT_PACKED_MODULES, SyncState
-from openrlhf_lora_sync.transport import send_via_shm
+from openrlhf_lora_sync.transport import TRANSPORTS
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -95,11 +95,14 @@ def sync_weights(
     packed_modules: dict[str, list[str]] | None = None,
     force_full: bool = False,
     send: bool = True,
+    transport: str = "shm",
 ) -> SyncStats:
     """Bring the engines to the policy's current effective weights (full or delta, as `state` decides).
 
     Under ZeRO-3 every trainer rank must call this (gathering is collective) with the same plan
-    inputs; only the rank with send=True talks to the engines."""
+    inputs and transport; only the rank with send=True talks to the engines."""
+    send_bucket = TRANSPORTS[transport]
+    rpc = engines.rpc if send else None
     start = time.perf_counter()
     plan = state.next_plan(sync_units(model), packed_modules or DEFAULT_PACKED_MODULES, force_full)
     tensors = total_bytes = buckets = 0
@@ -107,9 +110,8 @@ def sync_weights(
         engines.rpc("begin_weight_sync")
     try:
         for bucket in split_groups(_groups_by_parent(model, plan.units, dtype), bucket_bytes):
-            if send:
-                nbytes, _ = send_via_shm(engines.rpc, bucket)
-                total_bytes += nbytes
+            nbytes, _ = send_bucket(rpc, bucket)
+            total_bytes += nbytes
             tensors += len(bucket)
             buckets += 1
         if send:

@@ -6,7 +6,7 @@ Covers:
   a live engine fails or skips post-processing; the reload buffers each layer's tensors and re-runs
   its post-load processing once the whole layer has arrived), each bucket is loaded as it comes,
   `finish_weight_sync` finalizes and reports;
-- receiving a bucket from a /dev/shm file, a CUDA IPC handle, or an NCCL broadcast (transport.py),
+- receiving a bucket from a /dev/shm file or a CUDA IPC handle (transport.py),
   casting to the engine dtype when the sender's differs;
 - errors instead of silent skips: a name the model does not know raises (vLLM's loader), and a layer
   that received only part of its tensors (a fused group split, a bucket lost) fails the sync;
@@ -72,16 +72,6 @@ class LoraSyncWorkerExtension(WorkerWrap):
         count = self._load(unpack(buffer, metas))
         torch.cuda.synchronize()
         return count
-
-    def load_bucket_nccl(self, total: int, metas: list[TensorMeta]) -> int:
-        buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
-        if self._model_update_with_ray:
-            import ray.util.collective as collective
-
-            collective.broadcast(buffer, 0, group_name=self._model_update_group)
-        else:
-            self._model_update_group.broadcast(buffer, src=0, stream=torch.cuda.current_stream())
-        return self._load(unpack(buffer, metas))
 
     def finish_weight_sync(self, expect_every_layer: bool = False) -> dict:
         """Finalize the reload and report what was loaded. Raises when a layer got only part of its

@@ -1,0 +1,361 @@
+"""scripts/preflight.py: each check against fake inputs (proc files, environments, caches, GPU lists), the
+real pidfd_getfd probe between two sibling processes, a really denied probe, and the command line.
+
+Not covered: a machine with GPUs (the GPU checks take a GPU list, so they are tested with fake ones) and a
+kernel with Yama active (this one has none; the ptrace_scope check reads a fake file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scripts import memory_budget, preflight
+
+ROOT = Path(__file__).resolve().parent.parent
+RTX_4090 = preflight.GpuInfo("NVIDIA GeForce RTX 4090", 23.99)
+H100 = preflight.GpuInfo("NVIDIA H100 80GB HBM3", 79.1)
+USER_27B_FLAGS = {
+    "actor.model_name_or_path": "Qwen/Qwen3.5-27B",
+    "actor.num_gpus_per_node": 4,
+    "vllm.num_engines": 1,
+    "vllm.tensor_parallel_size": 4,
+    "train.colocate_all": True,
+    "vllm.enable_sleep": True,
+    "ds.enable_sleep": True,
+    "ds.lora.rank": 64,
+    "ds.zero_stage": 3,
+}
+
+
+@pytest.mark.parametrize(
+    ("gpus", "need_gpus", "need_gib", "status"),
+    [
+        ([], None, None, preflight.NA),
+        ([], 4, None, preflight.FAIL),
+        ([RTX_4090] * 2, 4, None, preflight.FAIL),
+        ([RTX_4090] * 4, 4, None, preflight.PASS),
+        ([RTX_4090] * 4, 4, 48.0, preflight.FAIL),
+        ([H100], 1, 48.0, preflight.PASS),
+    ],
+)
+def test_gpus(gpus, need_gpus, need_gib, status):
+    result = preflight.check_gpus(gpus, "test", need_gpus, need_gib)
+    assert result.status == status
+    assert result.status in (preflight.PASS, preflight.NA) or result.fix
+
+
+def test_no_gpu_here_is_reported_with_the_reason():
+    gpus, source = preflight.detect_gpus()
+    if gpus:
+        pytest.skip("this machine has a GPU")
+    result = preflight.check_gpus(gpus, source, None, None)
+    assert result.status == preflight.NA and "no CUDA GPU" in result.summary and source in result.summary
+
+
+def test_gpus_from_nvidia_smi_when_torch_sees_none(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\necho 'NVIDIA GeForce RTX 4090, 24564'\necho 'NVIDIA GeForce RTX 4090, 24564'\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    gpus, source = preflight.detect_gpus()
+    if source == "torch.cuda":
+        pytest.skip("torch sees a real GPU here")
+    assert gpus == [preflight.GpuInfo("NVIDIA GeForce RTX 4090", 24564 / 1024)] * 2
+    assert source.startswith("nvidia-smi")
+
+
+@pytest.mark.parametrize(
+    ("gpus", "env", "status"),
+    [
+        ([], {}, preflight.NA),
+        ([RTX_4090] * 4, {}, preflight.WARN),
+        ([RTX_4090] * 4, {"NCCL_P2P_DISABLE": "0"}, preflight.WARN),
+        ([RTX_4090] * 4, {"NCCL_P2P_DISABLE": "1"}, preflight.PASS),
+        ([H100] * 8, {}, preflight.PASS),
+    ],
+)
+def test_nccl_p2p(gpus, env, status):
+    result = preflight.check_nccl_p2p(gpus, env)
+    assert result.status == status
+    if status == preflight.WARN:
+        assert "NCCL_P2P_DISABLE=1" in result.fix
+
+
+@pytest.mark.parametrize(
+    ("content", "status"),
+    [
+        (None, preflight.NA),
+        ("0", preflight.PASS),
+        ("1", preflight.WARN),
+        ("2", preflight.WARN),
+        ("3", preflight.FAIL),
+    ],
+)
+def test_ptrace_scope(tmp_path, content, status):
+    path = tmp_path / "ptrace_scope"
+    if content is not None:
+        path.write_text(content + "\n")
+    result = preflight.check_ptrace_scope(path)
+    assert result.status == status
+    if status in (preflight.WARN, preflight.FAIL):
+        assert f"ptrace_scope={content}" in result.summary
+
+
+@pytest.mark.parametrize(
+    ("capeff", "status"),
+    [
+        ("000001fffeffffff", preflight.PASS),  # root on a host: every capability
+        ("00000000a80425fb", preflight.WARN),  # Docker's default set: no CAP_SYS_PTRACE
+        ("00000000a80c25fb", preflight.PASS),  # Docker's default set plus cap_add SYS_PTRACE
+        ("0000000000000000", preflight.WARN),  # an unprivileged user
+    ],
+)
+def test_cap_sys_ptrace(tmp_path, capeff, status):
+    status_file = tmp_path / "status"
+    status_file.write_text(f"Name:\tpython\nCapInh:\t0000000000000000\nCapEff:\t{capeff}\n")
+    result = preflight.check_cap_sys_ptrace(status_file)
+    assert result.status == status
+    if status == preflight.WARN:
+        assert "SYS_PTRACE" in result.fix
+
+
+def test_pidfd_getfd_probe_is_real_and_consistent():
+    probe = preflight.probe_pidfd_getfd()
+    result = preflight.check_pidfd_getfd({})
+    assert probe.ok == (result.status == preflight.PASS)
+    assert result.details["errno"] == probe.errno_name
+    if not probe.ok:
+        assert probe.errno_name in ("EPERM", "EACCES", "ENOSYS")
+
+
+@pytest.mark.parametrize(
+    ("env", "status"),
+    [
+        ({}, preflight.WARN),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, preflight.FAIL),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:128"}, preflight.FAIL),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, preflight.WARN),
+    ],
+)
+def test_denied_pidfd_getfd_names_the_fix(env, status):
+    result = preflight.check_pidfd_getfd(env, force_denied=True)
+    assert result.details == {"errno": "EPERM", "stage": "pidfd_getfd", "forced": True}
+    assert result.status == status
+    assert "EPERM" in result.summary
+    assert "SYS_PTRACE" in result.fix and "ptrace_scope" in result.fix
+
+
+def test_denial_can_be_forced_through_the_environment():
+    result = preflight.check_pidfd_getfd({preflight.FORCE_DENIED_ENV: "1"})
+    assert result.details["errno"] == "EPERM" and result.details["forced"]
+
+
+@pytest.mark.parametrize(
+    ("env", "status", "expandable"),
+    [
+        ({}, preflight.PASS, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, preflight.PASS, False),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, preflight.WARN, True),
+        ({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, preflight.WARN, True),
+        # torch reads PYTORCH_ALLOC_CONF first
+        (
+            {
+                "PYTORCH_ALLOC_CONF": "expandable_segments:False",
+                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+            },
+            preflight.WARN,
+            False,
+        ),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"}, preflight.PASS, False),
+    ],
+)
+def test_alloc_conf(env, status, expandable):
+    assert preflight.expandable_segments(env)[0] == expandable
+    assert preflight.check_alloc_conf(env).status == status
+
+
+class FakeStatvfs:
+    def __init__(self, size, free):
+        self.f_frsize, self.f_blocks, self.f_bavail = 1, size, free
+
+
+@pytest.mark.parametrize(
+    ("size", "free", "ram", "status"),
+    [
+        (64 * 2**20, 64 * 2**20, 128 * 2**30, preflight.FAIL),  # Docker's default /dev/shm
+        (8 * 2**30, 8 * 2**30, 128 * 2**30, preflight.WARN),  # under Ray's 30% of RAM
+        (64 * 2**30, 64 * 2**30, 128 * 2**30, preflight.PASS),  # ipc: host
+    ],
+)
+def test_dev_shm(tmp_path, monkeypatch, size, free, ram, status):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {ram // 1024} kB\nMemFree:        1 kB\n")
+    monkeypatch.setattr(preflight.os, "statvfs", lambda path: FakeStatvfs(size, free))
+    result = preflight.check_dev_shm(Path("/dev/shm"), meminfo)
+    assert result.status == status
+    if status != preflight.PASS:
+        assert "ipc: host" in result.fix
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "netrc", "status"),
+    [
+        ({"WANDB_API_KEY": "k"}, {}, None, preflight.PASS),
+        ({}, {"logger.wandb.key": "k"}, None, preflight.PASS),
+        ({}, {}, "machine api.wandb.ai\n  login user\n  password k\n", preflight.PASS),
+        ({}, {}, "machine example.com\n  login user\n  password k\n", preflight.WARN),
+        ({"WANDB_MODE": "offline"}, {}, None, preflight.PASS),
+        ({}, {}, None, preflight.WARN),
+    ],
+)
+def test_wandb(tmp_path, env, flags, netrc, status):
+    if netrc is not None:
+        (tmp_path / ".netrc").write_text(netrc)
+        (tmp_path / ".netrc").chmod(0o600)
+    assert preflight.check_wandb(env, flags, home=tmp_path).status == status
+
+
+def test_disk(tmp_path):
+    assert preflight.check_disk(tmp_path / "not" / "yet", 1, "test").status == preflight.PASS
+    result = preflight.check_disk(tmp_path, 2**60, "test")
+    assert result.status == preflight.FAIL and "ckpt" in result.fix
+
+
+@pytest.fixture
+def hub_cache(tmp_path):
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3.5-9B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(memory_budget.REFERENCE_CONFIGS["Qwen/Qwen3.5-9B"]))
+    return tmp_path / "hub"
+
+
+@pytest.mark.parametrize(
+    ("model", "env", "status"),
+    [
+        (None, {}, preflight.NA),
+        ("Qwen/Qwen3.5-9B", {}, preflight.PASS),
+        ("Qwen/Qwen3.5-27B", {}, preflight.WARN),
+        ("Qwen/Qwen3.5-27B", {"HF_HUB_OFFLINE": "1"}, preflight.FAIL),
+        ("not a model", {}, preflight.FAIL),
+        ("/nonexistent/model", {}, preflight.FAIL),
+    ],
+)
+def test_model_by_hub_id_or_path(hub_cache, model, env, status):
+    result = preflight.check_model(model, {"HF_HUB_CACHE": str(hub_cache), **env})
+    assert result.status == status
+    if status == preflight.WARN:
+        assert "cannot be checked offline" in result.summary
+
+
+def test_model_directory(tmp_path):
+    assert preflight.check_model(str(tmp_path), {}).status == preflight.FAIL  # no config.json
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}))
+    result = preflight.check_model(str(tmp_path), {})
+    assert result.status == preflight.PASS and result.details["config"] == str(tmp_path)
+
+
+def test_packages_match_the_pins_here():
+    result = preflight.check_packages("cpu")
+    assert result.status == preflight.PASS, result.summary
+
+
+def test_packages_mismatch_names_the_fix(tmp_path):
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\necho 'torch: installed 2.0.0, pinned 2.13.0'\nexit 1\n")
+    fake_python.chmod(0o755)
+    result = preflight.check_packages("gpu", python=str(fake_python))
+    assert result.status == preflight.FAIL
+    assert "torch: installed 2.0.0" in result.summary and result.fix == "bash scripts/setup_env.sh --gpu"
+
+
+def test_memory_fails_for_the_users_27b_with_the_knob(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       263000000 kB\n")
+    spec = memory_budget.model_spec(memory_budget.REFERENCE_CONFIGS["Qwen/Qwen3.5-27B"])
+    budget = memory_budget.estimate(spec, memory_budget.settings_from_flags(USER_27B_FLAGS), "27B")
+    result = preflight.check_memory(budget, spec, meminfo)
+    assert result.status == preflight.FAIL
+    assert "sync:" in result.summary and "vLLM weights 12.7" in result.summary
+    assert "parameter offload" in result.fix and "--vllm.gpu_memory_utilization" in result.fix
+
+
+def test_memory_warns_when_host_ram_is_short(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\n")
+    spec = memory_budget.model_spec(memory_budget.REFERENCE_CONFIGS["Qwen/Qwen3.5-9B"])
+    settings = replace(memory_budget.LEAN, gpu_memory_utilization=0.6)
+    result = preflight.check_memory(memory_budget.estimate(spec, settings, "9B"), spec, meminfo)
+    assert result.status == preflight.WARN and "host RAM" in result.summary
+
+
+def test_recipe_nesting_dotted_keys_and_base(tmp_path):
+    (tmp_path / "base.yaml").write_text(
+        yaml.safe_dump({"vllm": {"tensor_parallel_size": 2, "enable_sleep": True}, "ds.lora.rank": 16})
+    )
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "ds": {"lora": {"rank": 64}}}))
+    assert preflight.load_recipe(tmp_path / "r.yaml") == {
+        "vllm.tensor_parallel_size": 2,
+        "vllm.enable_sleep": True,
+        "ds.lora.rank": 64,
+    }
+
+
+def run_cli(*args, env=None):
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "WANDB_", "PREFLIGHT_"))}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "preflight.py"), *args],
+        capture_output=True,
+        text=True,
+        env={**base, **(env or {})},
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+def test_cli_reports_every_check_and_fails_on_a_denied_probe_with_expandable_segments():
+    completed = run_cli(
+        "--json",
+        "--stack",
+        "cpu",
+        env={preflight.FORCE_DENIED_ENV: "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    )
+    results = {r["name"]: r for r in map(json.loads, completed.stdout.splitlines())}
+    assert set(results) == {
+        "gpus",
+        "ptrace_scope",
+        "cap_sys_ptrace",
+        "pidfd_getfd",
+        "alloc_conf",
+        "dev_shm",
+        "nccl_p2p",
+        "wandb",
+        "disk",
+        "model",
+        "packages",
+        "memory",
+    }
+    assert results["pidfd_getfd"]["status"] == preflight.FAIL
+    assert "SYS_PTRACE" in results["pidfd_getfd"]["fix"]
+    assert completed.returncode == 1
+
+
+def test_cli_with_the_users_recipe(tmp_path):
+    recipe = tmp_path / "user-27b.yaml"
+    recipe.write_text(yaml.safe_dump(USER_27B_FLAGS))
+    completed = run_cli("--recipe", str(recipe), "--stack", "cpu", "--output-dir", str(tmp_path))
+    lines = completed.stdout.splitlines()
+    memory = next(line for line in lines if line.startswith("FAIL  memory"))
+    assert "Qwen/Qwen3.5-27B" in memory
+    assert any("parameter offload" in line for line in lines)
+    assert lines[-1].startswith("preflight: 12 checks")
+    assert completed.returncode == 1
