@@ -144,17 +144,10 @@ VISION_DEFAULTS = {
         "num_position_embeddings": 2304,
         "deepstack_visual_indexes": [8, 16, 24],
     },
-    "qwen3_5": {
-        "depth": 27,
-        "hidden_size": 1152,
-        "intermediate_size": 4304,
-        "in_channels": 3,
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "spatial_merge_size": 2,
-        "out_hidden_size": 3584,
-        "num_position_embeddings": 2304,
-    },
+}
+# Qwen3.5's vision tower is Qwen3-VL's without the deepstack taps (transformers' defaults for both).
+VISION_DEFAULTS["qwen3_5"] = {
+    key: value for key, value in VISION_DEFAULTS["qwen3_vl"].items() if key != "deepstack_visual_indexes"
 }
 # model_type -> (family whose text layers it has, whether it has a vision tower)
 MODEL_TYPES = {

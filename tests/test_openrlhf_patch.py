@@ -139,3 +139,20 @@ def test_patched_broadcast_to_vllm_syncs_a_real_engine_actor(ray_cluster, tiny_m
     ppo_actor.ActorPPOTrainer.broadcast_to_vllm(trainer)
     assert trainer._lora_sync_last_stats.mode == "delta"
     assert engine_diff() <= LOGPROB_TOLERANCE["bfloat16"]
+
+
+def test_trainer_refuses_dora_when_built(tiny_model_dir):
+    from openrlhf_lora_sync.merge import UnsupportedAdapterError
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def upstream_init(self, policy):
+        self.actor = SimpleNamespace(model=SimpleNamespace(module=policy))
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3"))
+    dora = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    patched_init = openrlhf_patch._checking_adapters_at_start(upstream_init)
+    with pytest.raises(UnsupportedAdapterError, match="DoRA"):
+        patched_init(SimpleNamespace(), dora)
+    openrlhf_patch.apply()
+    assert ppo_actor.ActorPPOTrainer.__init__.__qualname__.startswith("_checking_adapters_at_start")

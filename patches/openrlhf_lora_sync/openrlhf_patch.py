@@ -6,6 +6,7 @@ launch.py) and every Ray worker process, nested ones included (the launcher pass
 this package's worker extension by import name, which the patched engine actor passes to vLLM.
 
 What it changes:
+- `ActorPPOTrainer.__init__`: also refuses adapters merge-then-sync cannot merge, at start;
 - `ActorPPOTrainer.broadcast_to_vllm` -> `lora_broadcast_to_vllm`: every trainer rank gathers the
   policy one module at a time under ZeRO-3 and merges LoRA out of place (merge.py); rank 0 sends
   buckets under HF checkpoint names in the engine dtype (bf16: OpenRLHF hardcodes it) over the chosen
@@ -156,6 +157,18 @@ def lora_broadcast_to_vllm(self) -> None:
         torch.distributed.barrier()
 
 
+def _checking_adapters_at_start(upstream_init):
+    """Refuse adapters merge-then-sync cannot merge (DoRA, LoRA on embeddings...) when the trainer is
+    built, before the first rollout, rather than at the first sync after a training step."""
+    from openrlhf_lora_sync.merge import check_supported_adapters
+
+    def __init__(self, *args, **kwargs):
+        upstream_init(self, *args, **kwargs)
+        check_supported_adapters(self.actor.model.module)
+
+    return __init__
+
+
 def _lora_engine_actor(upstream_actor):
     """A Ray actor class: OpenRLHF's engine actor plus what the sync needs. Methods must exist when
     `ray.remote` builds the class (actor handles only expose those), hence a subclass, not attributes
@@ -195,6 +208,7 @@ def apply() -> None:
         return
     check_versions()
     trainer_cls.broadcast_to_vllm = lora_broadcast_to_vllm
+    trainer_cls.__init__ = _checking_adapters_at_start(trainer_cls.__init__)
     # create_vllm_engines looks RolloutRayActor up in its module when it runs.
     vllm_engine.RolloutRayActor = _lora_engine_actor(vllm_engine.RolloutRayActor)
     setattr(trainer_cls, _APPLIED_MARK, True)
