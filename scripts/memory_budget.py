@@ -921,12 +921,13 @@ OPENRLHF_DEFAULTS = {
     "train.micro_batch_size": 1,
     "actor.gradient_checkpointing_enable": False,
 }
-# This repo's own recipe keys (not OpenRLHF flags), each with the spellings accepted.
+# This repo's own recipe keys (not OpenRLHF flags), as scripts/render_recipe.py's REPO_KEYS spells them;
+# ds.param_offload is a what-if for --set only (OpenRLHF 0.11.2 has no flag for it).
 REPO_KEYS = {
-    "vllm_sleep_level": ("vllm.sleep_level", "sync.sleep_level"),
-    "bucket_mb": ("sync.bucket_mb", "sync.bucket_size_mb"),
+    "vllm_sleep_level": ("sync.vllm_sleep_level",),
+    "bucket_mb": ("sync.bucket_mb",),
     "transport": ("sync.transport",),
-    "param_offload": ("ds.param_offload", "ds.offload_param"),
+    "param_offload": ("ds.param_offload",),
 }
 
 

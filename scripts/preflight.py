@@ -54,8 +54,10 @@ from pathlib import Path
 
 if __package__:
     from . import memory_budget
+    from .render_recipe import load_recipe
 else:  # run as a script: scripts/ is sys.path[0]
     import memory_budget
+    from render_recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
@@ -595,32 +597,6 @@ def check_memory(budget: memory_budget.Budget, spec: memory_budget.ModelSpec, me
 
 
 # ---------------------------------------------------------------------------------------- recipes
-
-
-def _flatten(mapping: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in mapping.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def load_recipe(path: Path) -> dict:
-    """A recipe as dotted flag names, its `base:` recipes (overridden by it) merged in."""
-    import yaml
-
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a recipe is a YAML mapping")
-    bases = data.pop("base", None) or []
-    flags: dict = {}
-    for base in [bases] if isinstance(bases, str) else bases:
-        flags.update(load_recipe((path.parent / base).resolve()))
-    flags.update(_flatten(data))
-    return flags
 
 
 def parse_assignment(text: str) -> tuple[str, object]:

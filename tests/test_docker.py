@@ -104,7 +104,7 @@ def test_compose_reserves_every_gpu(service):
         ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False"),
         ("NCCL_P2P_DISABLE", "1"),
         ("HF_HOME", "/cache/huggingface"),
-        ("RECIPE", "recipes/qwen2_5_vl_7b-4x4090.yaml"),
+        ("RECIPE", "recipes/qwen2_5_vl-7b-4x4090.yaml"),
         ("SET_PTRACE_SCOPE", ""),
     ],
 )

@@ -298,18 +298,6 @@ def test_memory_warns_when_host_ram_is_short(tmp_path):
     assert result.status == preflight.WARN and "host RAM" in result.summary
 
 
-def test_recipe_nesting_dotted_keys_and_base(tmp_path):
-    (tmp_path / "base.yaml").write_text(
-        yaml.safe_dump({"vllm": {"tensor_parallel_size": 2, "enable_sleep": True}, "ds.lora.rank": 16})
-    )
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "ds": {"lora": {"rank": 64}}}))
-    assert preflight.load_recipe(tmp_path / "r.yaml") == {
-        "vllm.tensor_parallel_size": 2,
-        "vllm.enable_sleep": True,
-        "ds.lora.rank": 64,
-    }
-
-
 def run_cli(*args, env=None):
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PYTORCH_", "WANDB_", "PREFLIGHT_"))}
     return subprocess.run(
