@@ -13,7 +13,7 @@ README = (ROOT / "README.md").read_text()
 
 def test_pin_table_matches_versions_toml():
     rows = re.findall(r"^\| ([a-z][\w-]*) \| ([\w.+]+) \|", README, flags=re.MULTILINE)
-    table = {name: version for name, version in rows if name != "package"}  # minus the header row
+    table = {name: version for name, version in rows if name not in ("package", "recipe")}  # header rows
     gpu, cpu = load_pins("gpu"), load_pins("cpu")
     runtime = {name: version for name, version in gpu.items() if name not in load_table("dev")}
     assert table == runtime
