@@ -156,3 +156,18 @@ def test_trainer_refuses_dora_when_built(tiny_model_dir):
         patched_init(SimpleNamespace(), dora)
     openrlhf_patch.apply()
     assert ppo_actor.ActorPPOTrainer.__init__.__qualname__.startswith("_checking_adapters_at_start")
+
+
+def test_training_status_carries_the_last_sync_stats():
+    from openrlhf_lora_sync.sync import SyncStats
+
+    def upstream_ppo_train(self, kl_ctl):
+        return {"policy_loss": 0.5}
+
+    ppo_train = openrlhf_patch._with_sync_metrics(upstream_ppo_train)
+    trainer = SimpleNamespace()
+    assert ppo_train(trainer, 0.0) == {"policy_loss": 0.5}  # no sync yet: nothing added
+    trainer._lora_sync_last_stats = SyncStats("delta", "engine kept its weights", 12, 4096, 2, 0.25)
+    status = ppo_train(trainer, 0.0)
+    assert status["policy_loss"] == 0.5
+    assert status["sync/full"] == 0.0 and status["sync/bytes"] == 4096.0 and status["sync/seconds"] == 0.25

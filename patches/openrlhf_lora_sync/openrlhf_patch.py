@@ -7,6 +7,7 @@ this package's worker extension by import name, which the patched engine actor p
 
 What it changes:
 - `ActorPPOTrainer.__init__`: also refuses adapters merge-then-sync cannot merge, at start;
+- `ActorPPOTrainer.ppo_train`: its returned status (logged by OpenRLHF) carries the last sync's stats;
 - `ActorPPOTrainer.broadcast_to_vllm` -> `lora_broadcast_to_vllm`: every trainer rank gathers the
   policy one module at a time under ZeRO-3 and merges LoRA out of place (merge.py); rank 0 sends
   buckets under HF checkpoint names in the engine dtype (bf16: OpenRLHF hardcodes it) over the chosen
@@ -169,6 +170,21 @@ def _checking_adapters_at_start(upstream_init):
     return __init__
 
 
+def _with_sync_metrics(upstream_ppo_train):
+    """Add the last sync's numbers (sync/full, sync/bytes, sync/seconds, ...) to the training status, which
+    OpenRLHF logs to wandb/tensorboard with its own metrics. They describe the sync that put in place the
+    policy this step's rollouts were generated with."""
+
+    def ppo_train(self, kl_ctl: float):
+        status = upstream_ppo_train(self, kl_ctl)
+        stats = getattr(self, "_lora_sync_last_stats", None)
+        if stats is not None:
+            status.update(stats.as_metrics())
+        return status
+
+    return ppo_train
+
+
 def _lora_engine_actor(upstream_actor):
     """A Ray actor class: OpenRLHF's engine actor plus what the sync needs. Methods must exist when
     `ray.remote` builds the class (actor handles only expose those), hence a subclass, not attributes
@@ -209,6 +225,7 @@ def apply() -> None:
     check_versions()
     trainer_cls.broadcast_to_vllm = lora_broadcast_to_vllm
     trainer_cls.__init__ = _checking_adapters_at_start(trainer_cls.__init__)
+    trainer_cls.ppo_train = _with_sync_metrics(trainer_cls.ppo_train)
     # create_vllm_engines looks RolloutRayActor up in its module when it runs.
     vllm_engine.RolloutRayActor = _lora_engine_actor(vllm_engine.RolloutRayActor)
     setattr(trainer_cls, _APPLIED_MARK, True)
