@@ -393,7 +393,7 @@ def test_run_script_defaults_to_the_gpu_recipe_when_a_gpu_is_listed(tmp_path):
     assert "qwen2_5_vl-7b-4x4090" in done.stderr and "Qwen/Qwen2.5-VL-7B-Instruct" in done.stdout
 
 
-def test_run_script_without_gpu_or_recipe_says_the_cpu_smoke_run_is_not_built(tmp_path):
-    done = run_script(tmp_path, gpu=False)
-    assert done.returncode == 3
-    assert "CPU smoke run is not built yet" in done.stderr
+def test_run_script_without_gpu_or_recipe_picks_the_cpu_smoke_recipe(tmp_path):
+    done = run_script(tmp_path, "--dry-run", gpu=False)
+    assert done.returncode == 0, done.stderr
+    assert "smoke-cpu.yaml" in done.stderr and "nothing started" in done.stdout

