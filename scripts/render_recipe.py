@@ -93,6 +93,7 @@ REPO_KEYS: dict[str, tuple[str, dict]] = {
     "sync.bucket_mb": ("LORA_SYNC_BUCKET_MB", {"type": int}),
     "sync.force_full": ("LORA_SYNC_FORCE_FULL", {"action": "store_true"}),
     "sync.vllm_sleep_level": ("LORA_SYNC_VLLM_SLEEP_LEVEL", {"type": int, "choices": (1, 2)}),
+    "sync.probe_every": ("LORA_SYNC_PROBE_EVERY", {"type": int}),
     "reward.accuracy_weight": ("REWARD_ACCURACY_WEIGHT", {"type": float}),
     "reward.format_weight": ("REWARD_FORMAT_WEIGHT", {"type": float}),
     "reward.answer_format": ("REWARD_ANSWER_FORMAT", {"type": str, "choices": ANSWER_FORMATS}),

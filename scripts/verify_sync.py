@@ -13,6 +13,16 @@ model directory without tokenizer files works. When the directory has a processo
 vision tower, an image prompt is compared too, so vision-tower weights are checked (a text-only prompt
 never reaches them). Prints one JSON line (max_abs_logprob_diff, before_diff, image_checked, ok, ...)
 and exits 0 iff ok. --skip-sync leaves the engine on the base weights, so it must report not ok.
+
+    python scripts/verify_sync.py --model DIR --fault {sleep2,drop-bucket,stale,transport}
+
+Fault injection (sleep mode and lost transfers cannot be produced on demand): a correct full sync whose
+post-sync probe (probe.py) passes, then the fault, the project's detection, and recovery (a full
+resync, probed). sleep2: the engine's weights overwritten with garbage as a level-2 wake leaves them,
+then the delta sync the trainer would send unaware; drop-bucket: a full sync with one bucket lost
+(the engine refuses it); stale: the adapters change and no sync follows; transport: the transfer
+raises mid-sync (sync_weights must raise and mark the next sync full). Prints one JSON line with
+fault, detected, recovered, how and the probe diffs; exits 0 iff detected (and, for sleep2, recovered).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import json
 import sys
 from pathlib import Path
 
+FAULTS = ("sleep2", "drop-bucket", "stale", "transport")
 DEFAULT_LORA_TARGETS = (
     r"^(?!.*visual).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
     r"|in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj)$"
@@ -38,6 +49,7 @@ def parse_args(argv=None):
     parser.add_argument("--tokens", type=int, default=48, help="length of the random text probe")
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size of the sync")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fault", choices=FAULTS, help="inject this fault and check it is detected")
     return parser.parse_args(argv)
 
 
@@ -144,6 +156,85 @@ def verify(args) -> dict:
     }
 
 
+def inject_fault(args) -> dict:
+    """A correct sync, the fault, detection and recovery; see the module docstring."""
+    import torch
+    from openrlhf_lora_sync import probe, transport
+    from openrlhf_lora_sync.logprob_check import start_engine
+    from openrlhf_lora_sync.merge import iter_effective_checkpoint_tensors, sync_units
+    from openrlhf_lora_sync.plan import SyncState
+    from openrlhf_lora_sync.sync import LocalEngines, sync_weights
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(args.model)
+    dtype_name = args.dtype or str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    dtype = getattr(torch, dtype_name)
+    policy, _ = _load_policy(args, dtype)
+    engines = LocalEngines(start_engine(args.model, dtype_name))
+    # Several buckets whatever the model size, so a bucket can be lost and a transfer fail midway.
+    bucket_bytes = max(64 << 10, sum(p.numel() * dtype.itemsize for p in policy.parameters()) // 8)
+    state = SyncState()
+
+    def sync(**kwargs):
+        return sync_weights(policy, engines, state, dtype=dtype, bucket_bytes=bucket_bytes, **kwargs)
+
+    def probe_diff() -> tuple[float, bool]:
+        result = probe.run_probe(policy, engines, dtype_name)
+        return result.max_abs_diff, result.ok
+
+    sync()
+    baseline, baseline_ok = probe_diff()
+    real_send = transport.TRANSPORTS["shm"]
+    calls = []
+
+    def faulty_send(rpc, named):
+        calls.append(len(named))
+        if args.fault == "transport" and len(calls) == 2:
+            raise ConnectionError("injected transport error")
+        return real_send(None if args.fault == "drop-bucket" and len(calls) == 1 else rpc, named)
+
+    how, fault_diff = "", None
+    if args.fault == "sleep2":
+        garbage = [
+            (name, torch.randn_like(t))
+            for _, group in iter_effective_checkpoint_tensors(policy, sync_units(policy), dtype)
+            for name, t in group.items()
+        ]
+        engines.rpc("load_weights_in_place", garbage)
+        sync()  # the delta a trainer unaware of the lost weights sends
+        fault_diff, passed = probe_diff()
+        detected, how = not passed, "probe"
+        state.weights_lost("vLLM sleep level 2 discarded the engine's weights")
+    elif args.fault == "stale":
+        with torch.no_grad():
+            for name, parameter in policy.named_parameters():
+                if "lora_B" in name:
+                    parameter.add_(0.1 * torch.randn_like(parameter))
+        fault_diff, passed = probe_diff()
+        detected, how = not passed, "probe"
+    else:
+        transport.TRANSPORTS["shm"] = faulty_send
+        try:
+            sync(force_full=True)
+            detected = False
+        except Exception as error:  # the engine's WeightSyncError, or the injected ConnectionError
+            detected, how = state.full_reason is not None, f"sync raised {type(error).__name__}"
+        finally:
+            transport.TRANSPORTS["shm"] = real_send
+        fault_diff, _ = probe_diff()
+    recovery = sync()
+    recovered_diff, recovered = probe_diff()
+    return {
+        "fault": args.fault,
+        "detected": bool(detected and baseline_ok),
+        "recovered": recovered,
+        "how": how,
+        "recovery_sync": recovery.mode,
+        "probe_max_abs_diff": {"correct": baseline, "fault": fault_diff, "recovered": recovered_diff},
+        "threshold": probe.PROBE_THRESHOLD[dtype_name],
+    }
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not (Path(args.model) / "config.json").is_file():
@@ -152,6 +243,10 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.fault:
+        result = inject_fault(args)
+        print(json.dumps(result))
+        return 0 if result["detected"] and (result["recovered"] or args.fault != "sleep2") else 1
     result = verify(args)
     print(json.dumps(result))
     return 0 if result["ok"] else 1

@@ -284,6 +284,7 @@ def test_repo_keys_become_environment_variables_and_never_flags():
         "LORA_SYNC_BUCKET_MB": "256",
         "LORA_SYNC_FORCE_FULL": "1",
         "LORA_SYNC_VLLM_SLEEP_LEVEL": "2",
+        "LORA_SYNC_PROBE_EVERY": "1",
     }
     repo_flags = [token for token in result.argv if token[2:] in rr.REPO_KEYS]
     assert not repo_flags

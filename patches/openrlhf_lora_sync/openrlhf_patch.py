@@ -23,6 +23,10 @@ Settings, read from the environment (the launcher forwards them to every Ray wor
   LORA_SYNC_BUCKET_MB     bucket size, default 512
   LORA_SYNC_FORCE_FULL    1: every sync is full
   LORA_SYNC_VLLM_SLEEP_LEVEL  1 (OpenRLHF's default) or 2
+  LORA_SYNC_PROBE_EVERY   run the post-sync probe (probe.py) after every Nth sync, default 1; 0: never.
+                          It logs sync/probe_max_abs_diff, sync/probe_mean_abs_diff, sync/probe_seconds
+                          and stops the run with ProbeFailed above the threshold
+  LORA_SYNC_PROBE_THRESHOLD  the probe's max abs logprob diff limit, default probe.PROBE_THRESHOLD[bf16]
 
 Does not cover: engines on other nodes (shared memory and CUDA IPC reach only this node; an NCCL
 transport is not written yet), and OpenRLHF/vLLM releases other than the pinned ones, which `apply()`
@@ -121,6 +125,7 @@ def lora_broadcast_to_vllm(self) -> None:
     """Replacement for ActorPPOTrainer.broadcast_to_vllm (runs on every trainer rank)."""
     import torch
 
+    from openrlhf_lora_sync import probe
     from openrlhf_lora_sync.plan import SyncState
     from openrlhf_lora_sync.sync import sync_weights
 
@@ -151,11 +156,57 @@ def lora_broadcast_to_vllm(self) -> None:
         send=rank == 0,
         transport=transport,
     )
+    self._lora_sync_count = getattr(self, "_lora_sync_count", 0) + 1
+    every = _env_int("LORA_SYNC_PROBE_EVERY", 1)
+    if every > 0 and self._lora_sync_count % every == 0:
+        try:
+            _probe_after_sync(self, engines, stats, rank, distributed)
+        except probe.ProbeFailed:
+            # Whoever catches this and goes on gets a full resync next time, not a delta onto bad weights.
+            state.weights_lost("the post-sync probe failed")
+            raise
     if rank == 0:
         logger.warning("%s", stats)
     self._lora_sync_last_stats = stats
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+
+
+def _probe_after_sync(trainer, engines, stats, rank: int, distributed: bool) -> None:
+    """Post-sync probe (probe.py) against `engines` (RayEngines, or sync.LocalEngines in tests): fills the
+    stats' probe fields on every rank and raises ProbeFailed on every rank when the engines do not compute
+    the policy (a raise on rank 0 alone would leave the other ranks waiting at the sync's barrier). Under
+    ZeRO-3 the policy's forward is collective, so every rank runs it; otherwise rank 0 alone does. With
+    vLLM sleep mode OpenRLHF wakes only the engines' weights for the sync; the probe needs the KV cache,
+    so it wakes that now rather than at the next rollout (vLLM's wake_up skips what is awake already),
+    which keeps it allocated during the rest of the sync. Not run on GPUs yet."""
+    import time
+
+    import torch
+
+    from openrlhf_lora_sync import probe
+
+    model = trainer.actor.model.module
+    start = time.perf_counter()
+    token_ids = probe.probe_token_ids(probe.policy_vocab_size(model))
+    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+    policy = probe.policy_prompt_logprobs(model, token_ids) if partitioned or rank == 0 else None
+    shared = [None]
+    if rank == 0:
+        import ray
+
+        if getattr(getattr(trainer.strategy.args, "vllm", None), "enable_sleep", False):
+            ray.get([actor.wake_up.remote(tags=["kv_cache"]) for actor in engines.actors])
+        engine = probe.engine_prompt_logprobs(engines, token_ids)
+        threshold = float(os.environ.get("LORA_SYNC_PROBE_THRESHOLD") or probe.PROBE_THRESHOLD["bfloat16"])
+        shared[0] = probe.compare(policy, engine, threshold, time.perf_counter() - start)
+    if distributed:
+        torch.distributed.broadcast_object_list(shared, src=0)
+    result = shared[0]
+    stats.probe_max_abs_diff = result.max_abs_diff
+    stats.probe_mean_abs_diff = result.mean_abs_diff
+    stats.probe_seconds = result.seconds
+    probe.check(result, str(stats))
 
 
 def _checking_adapters_at_start(upstream_init):

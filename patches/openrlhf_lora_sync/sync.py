@@ -59,15 +59,24 @@ class SyncStats:
     bytes: int
     buckets: int
     seconds: float
+    # Filled in when the post-sync probe ran after this sync (probe.py); None otherwise.
+    probe_max_abs_diff: float | None = None
+    probe_mean_abs_diff: float | None = None
+    probe_seconds: float | None = None
 
     def as_metrics(self, prefix: str = "sync/") -> dict[str, float]:
-        return {
+        metrics = {
             f"{prefix}full": float(self.mode == "full"),
             f"{prefix}tensors": float(self.tensors),
             f"{prefix}bytes": float(self.bytes),
             f"{prefix}buckets": float(self.buckets),
             f"{prefix}seconds": self.seconds,
         }
+        if self.probe_max_abs_diff is not None:
+            metrics[f"{prefix}probe_max_abs_diff"] = self.probe_max_abs_diff
+            metrics[f"{prefix}probe_mean_abs_diff"] = self.probe_mean_abs_diff
+            metrics[f"{prefix}probe_seconds"] = self.probe_seconds
+        return metrics
 
     def __str__(self) -> str:
         return (
