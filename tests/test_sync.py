@@ -34,6 +34,7 @@ from openrlhf_lora_sync.worker_extension import WeightSyncError
 from peft import LoraConfig, get_peft_model
 from PIL import Image, ImageDraw
 from safetensors import safe_open
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
 
 LANGUAGE_LINEARS = (
@@ -73,6 +74,13 @@ def merged_reference(policy):
     return copy.deepcopy(policy).merge_and_unload().eval()
 
 
+def reset_to_checkpoint(engine, model_dir) -> None:
+    """Put a shared engine back on the base checkpoint: the state before a first sync, whatever ran before."""
+    LocalEngines(engine).rpc(
+        "load_weights_in_place", list(load_file(str(model_dir / "model.safetensors")).items())
+    )
+
+
 def text_diff(engine, reference, seed: int = 0) -> float:
     token_ids = _token_ids(seed)
     return max_abs_diff(vllm_prompt_logprobs(engine, token_ids), hf_prompt_logprobs(reference, token_ids))
@@ -105,6 +113,7 @@ def test_full_sync_matches_merged_reference(family, tiny_model_dir, sync_engine)
     reference = merged_reference(policy)
     assert all(p.dtype == torch.float32 for n, p in policy.named_parameters() if "lora_" in n)
 
+    reset_to_checkpoint(engine, model_dir)
     before = text_diff(engine, reference)
     stats = sync_weights(
         policy, LocalEngines(engine), SyncState(), dtype=getattr(torch, spec.dtype), bucket_bytes=SMALL_BUCKET
@@ -185,6 +194,7 @@ def test_vision_tower_lora_checked_on_an_image_prompt(targets, tiny_model_dir, s
     vision_lora = any("visual" in unit.module_name for unit in sync_units(policy) if unit.has_lora)
     assert vision_lora == (targets == WITH_VISION)
     reference = merged_reference(policy)
+    reset_to_checkpoint(engine, model_dir)
     before = image_diff(engine, reference, model_dir)
     sync_weights(policy, LocalEngines(engine), SyncState(), dtype=torch.float32)
     after = image_diff(engine, reference, model_dir)
