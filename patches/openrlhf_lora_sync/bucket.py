@@ -50,15 +50,6 @@ def pack_into(buffer: torch.Tensor, named: list[tuple[str, torch.Tensor]], metas
         view.copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
 
 
-def pack(
-    named: list[tuple[str, torch.Tensor]], device: str | torch.device = "cpu"
-) -> tuple[torch.Tensor, list[TensorMeta]]:
-    metas, total = layout(named)
-    buffer = torch.empty(total, dtype=torch.uint8, device=device)
-    pack_into(buffer, named, metas)
-    return buffer, metas
-
-
 def unpack(buffer: torch.Tensor, metas: Iterable[Sequence]) -> list[tuple[str, torch.Tensor]]:
     """Views into `buffer` (no copy): valid while the buffer is."""
     metas = [TensorMeta(*meta) for meta in metas]

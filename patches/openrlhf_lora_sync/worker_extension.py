@@ -124,7 +124,3 @@ class LoraSyncWorkerExtension(WorkerWrap):
         """The engine model's fused modules (vLLM name -> HF member names), for delta-sync expansion."""
         model = self.model_runner.get_model()
         return {key: list(members) for key, members in getattr(model, "packed_modules_mapping", {}).items()}
-
-    def engine_weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Engine parameter names (vLLM's, after fusing) and their shapes."""
-        return {name: tuple(p.shape) for name, p in self.model_runner.get_model().named_parameters()}
