@@ -28,6 +28,10 @@ Covers
 - disk: free space at the output directory against the checkpoints the recipe keeps.
 - model: a local directory with config.json, or a hub id in the local Hugging Face cache.
 - packages: `scripts/envtool.py check --stack cpu|gpu` (installed versions against versions.toml).
+- transport: the recipe's sync.transport (or LORA_SYNC_TRANSPORT) against this host: cuda_ipc FAILs
+  without GPUs or where the pidfd_getfd probe is denied, naming shm as the fix.
+- lora_config: openrlhf_lora_sync.config_checks on the recipe (DoRA, no LoRA, the rank against the sync
+  mode, ds.lora.target_modules matched by peft against the model built from its config without weights).
 - memory: scripts/memory_budget.py's per-GPU estimate of rollout, train and weight sync; a setting that
   does not fit FAILs with the numbers and the knobs that make it fit; host RAM against MemTotal.
 
@@ -51,6 +55,8 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from openrlhf_lora_sync import config_checks
 
 if __package__:
     from . import memory_budget
@@ -596,6 +602,60 @@ def check_memory(budget: memory_budget.Budget, spec: memory_budget.ModelSpec, me
     return CheckResult("memory", FAIL, summary, fix, details)
 
 
+# ------------------------------------------------------------------------------- run configuration
+
+
+def check_lora_config(flags: dict, env: dict, model: str | None) -> CheckResult:
+    """openrlhf_lora_sync.config_checks on the recipe: DoRA, no LoRA, the rank against the sync mode, and
+    ds.lora.target_modules matched by peft against a weightless copy of the model (its local config, else
+    memory_budget's reference config of that hub id)."""
+    if not flags:
+        return CheckResult("lora_config", NA, "needs a recipe (or --set)")
+    reference = memory_budget.REFERENCE_CONFIGS.get(str(model))
+    problems = config_checks.flag_problems(flags, env)
+    if not problems:
+        problems = config_checks.adapter_rank_problems(flags, env)
+    if not problems and model:
+        problems = config_checks.target_problems(flags, env, model, reference)
+    fatal = [p for p in problems if p.fatal]
+    shown = fatal or problems
+    if shown:
+        summary = " | ".join(f"{p.key}: {p.message}" for p in shown)
+        return CheckResult("lora_config", FAIL if fatal else WARN, summary, "; ".join(p.fix for p in shown))
+    mode = config_checks.sync_mode(flags, env)
+    targets = f"checked against {model}" if model else "not checked (no model)"
+    return CheckResult(
+        "lora_config",
+        PASS,
+        f"LoRA rank {flags.get('ds.lora.rank')}, sync mode {mode}, target_modules {targets}",
+    )
+
+
+def check_transport(flags: dict, env: dict, gpus: list[GpuInfo], pidfd: CheckResult) -> CheckResult:
+    """The sync transport the recipe asks for against this host: cuda_ipc needs GPUs, and is refused where
+    the pidfd_getfd probe is denied (CUDA IPC of expandable-segment memory fails there, and the transport's
+    way around it, plain cudaMalloc buckets, has not been measured on GPUs)."""
+    transport = config_checks.setting(flags, env, "sync.transport", "LORA_SYNC_TRANSPORT", "auto")
+    if transport != "cuda_ipc":
+        return CheckResult(
+            "transport", PASS, f"sync transport {transport}: only cuda_ipc depends on pidfd_getfd"
+        )
+    fix = "sync.transport: shm (or auto; LORA_SYNC_TRANSPORT=shm): the /dev/shm transport needs neither"
+    if not gpus:
+        return CheckResult(
+            "transport", FAIL, "sync.transport cuda_ipc needs CUDA GPUs; none visible", fix + " GPUs"
+        )
+    if pidfd.details.get("errno"):
+        return CheckResult(
+            "transport",
+            FAIL,
+            f"sync.transport cuda_ipc on a host that denies pidfd_getfd between sibling processes "
+            f"({pidfd.summary})",
+            f"{fix} ptrace permission; or allow it: {PTRACE_FIX}",
+        )
+    return CheckResult("transport", PASS, "sync transport cuda_ipc: pidfd_getfd between siblings works here")
+
+
 # ---------------------------------------------------------------------------------------- recipes
 
 
@@ -653,7 +713,9 @@ def run_checks(plan: Plan, env: dict | None = None) -> list[CheckResult]:
     results.append(check_gpus(gpus, source, settings.gpus if settings else None, plan.gpu_mem_gib))
     results.append(check_ptrace_scope())
     results.append(check_cap_sys_ptrace())
-    results.append(check_pidfd_getfd(env))
+    pidfd_result = check_pidfd_getfd(env)
+    results.append(pidfd_result)
+    results.append(check_transport(flags, env, gpus, pidfd_result))
     results.append(check_alloc_conf(env))
     results.append(check_dev_shm())
     results.append(check_nccl_p2p(gpus, env))
@@ -671,6 +733,7 @@ def run_checks(plan: Plan, env: dict | None = None) -> list[CheckResult]:
     results.append(model_result)
     results.append(check_packages(plan.stack or ("gpu" if gpus else "cpu")))
     results.append(memory_result)
+    results.append(check_lora_config(flags, env, model_result.details.get("config") or model))
     return results
 
 

@@ -22,6 +22,8 @@ Covers
   store_false twin, e.g. actor.muon.no_nesterov); a list -> the flag's values (nargs); null -> left out,
   so OpenRLHF's default applies (a recipe unsets a base key with null).
 - This repo's own keys (REPO_KEYS: sync, reward weights, wandb mode) -> environment variables.
+- Configurations the patch cannot run, named with their fix (openrlhf_lora_sync.config_checks: DoRA keys,
+  a run without LoRA); the checks against the model and the host are preflight's.
 - --dry-run: runs train_ppo_ray's own `__main__` code on the flags (its parser, its hierarchize and its
   post-parse checks), up to the `train(args)` call, which is not made; then LAUNCH_CHECKS: the GPU-layout
   asserts at the top of upstream `train()` and DeepSpeed's batch-size rule; prints the command, the
@@ -64,6 +66,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as `python scripts/render_recipe.py`: make `rewards` importable
 
+from openrlhf_lora_sync import config_checks  # noqa: E402
+
 from rewards.math_answer import ANSWER_FORMATS  # noqa: E402
 
 if __package__:
@@ -74,7 +78,8 @@ else:  # run as a script: scripts/ is sys.path[0]
 RECIPES_DIR = ROOT / "recipes"
 LAUNCH_MODULE = "openrlhf_lora_sync.launch"
 BASE_KEY = "base"
-SYNC_TRANSPORTS = ("auto", "shm", "cuda_ipc")  # LORA_SYNC_TRANSPORT values openrlhf_patch accepts
+# LORA_SYNC_TRANSPORT values openrlhf_patch accepts (transport.TRANSPORT_CHOICES; a test keeps them equal)
+SYNC_TRANSPORTS = ("auto", "shm", "cuda_ipc", "broadcast")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 # OpenRLHF 0.11.2 starts its wandb logger only when --logger.wandb.key is non-empty, and uses the value only
 # when wandb has no key of its own (WANDB_API_KEY, ~/.netrc) and is online. So a key is never written into
@@ -89,6 +94,7 @@ MODULE_SUFFIX = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 # This repo's own recipe keys: environment variables for the sync patch (openrlhf_patch.py), the reward
 # (rewards/math_answer.py) and wandb, declared as argparse options so they are checked like OpenRLHF's.
 REPO_KEYS: dict[str, tuple[str, dict]] = {
+    "sync.mode": ("LORA_SYNC_MODE", {"type": str, "choices": config_checks.SYNC_MODES}),
     "sync.transport": ("LORA_SYNC_TRANSPORT", {"type": str, "choices": SYNC_TRANSPORTS}),
     "sync.bucket_mb": ("LORA_SYNC_BUCKET_MB", {"type": int}),
     "sync.force_full": ("LORA_SYNC_FORCE_FULL", {"action": "store_true"}),
@@ -418,8 +424,13 @@ def render(flags: dict, environ=None) -> Rendered:
     parser, _ = openrlhf_parser()
     repo_parser = _repo_key_parser()
     known = _known_keys(parser)
-    argv, env, errors, bad_keys = [], {}, [], []
+    # Configurations the patch cannot run (DoRA, no LoRA), with their fix, before the per-key checks.
+    problems = [problem for problem in config_checks.flag_problems(flags, environ) if problem.fatal]
+    argv, env = [], {}
+    errors, bad_keys = [str(problem) for problem in problems], [problem.key for problem in problems]
     for key, value in flags.items():
+        if key in bad_keys:
+            continue
         try:
             if key in REPO_KEYS:
                 if value is not None:

@@ -4,6 +4,7 @@ Hardware: any. On CPU it needs the CPU test stack (bash scripts/setup_env.sh); o
 stack. Time: tiny models under a minute on 2 CPU cores; a 7B model on one GPU a few minutes.
 
     python scripts/verify_sync.py --model DIR [--adapter DIR] [--dtype float32|bfloat16] [--skip-sync]
+                                  [--mode merge|adapter]
 
 Loads the base HF model, applies the adapter (or a random LoRA with non-zero B on the language model's
 linear layers when none is given), starts vLLM on the base weights in this process, runs one full sync
@@ -13,6 +14,9 @@ model directory without tokenizer files works. When the directory has a processo
 vision tower, an image prompt is compared too, so vision-tower weights are checked (a text-only prompt
 never reaches them). Prints one JSON line (max_abs_logprob_diff, before_diff, image_checked, ok, ...)
 and exits 0 iff ok. --skip-sync leaves the engine on the base weights, so it must report not ok.
+--mode adapter checks the adapter hot-swap mode instead (adapter_mode.py): vLLM starts with LoRA
+enabled, the sync installs the adapter, and vLLM's logprobs are taken with the LoRA request; adapters
+that mode refuses (a family not verified, LoRA on the vision tower...) exit 2 with the reason.
 
     python scripts/verify_sync.py --model DIR --fault {sleep2,drop-bucket,stale,transport}
 
@@ -50,6 +54,12 @@ def parse_args(argv=None):
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size of the sync")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fault", choices=FAULTS, help="inject this fault and check it is detected")
+    parser.add_argument(
+        "--mode",
+        choices=["merge", "adapter"],
+        default="merge",
+        help="merge: merged weights into the engine (default); adapter: vLLM LoRA, adapter hot-swapped",
+    )
     return parser.parse_args(argv)
 
 
@@ -79,6 +89,7 @@ def _load_policy(args, dtype):
 
 def verify(args) -> dict:
     import torch
+    from openrlhf_lora_sync.adapter_mode import AdapterSyncState, check_adapter_mode_supported, sync_adapter
     from openrlhf_lora_sync.logprob_check import (
         LOGPROB_TOLERANCE,
         hf_prompt_logprobs,
@@ -95,6 +106,10 @@ def verify(args) -> dict:
     dtype_name = args.dtype or str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
     dtype = getattr(torch, dtype_name)
     policy, is_vlm = _load_policy(args, dtype)
+    adapter_state = None
+    if args.mode == "adapter":
+        check_adapter_mode_supported(policy)
+        adapter_state = AdapterSyncState()
     reference = copy.deepcopy(policy).merge_and_unload().eval()
 
     processor = None
@@ -104,7 +119,12 @@ def verify(args) -> dict:
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(args.model)
-    engine = start_engine(args.model, dtype_name, images_per_prompt=int(processor is not None))
+    engine = start_engine(
+        args.model,
+        dtype_name,
+        images_per_prompt=int(processor is not None),
+        lora_rank=policy.peft_config["default"].r if adapter_state else None,
+    )
 
     vocab = reference.get_output_embeddings().weight.shape[0]
     token_ids = torch.randint(
@@ -112,29 +132,36 @@ def verify(args) -> dict:
     ).tolist()
 
     def diffs() -> dict[str, float]:
+        lora = adapter_state.lora_request() if adapter_state else None
         out = {
             "text": max_abs_diff(
-                vllm_prompt_logprobs(engine, token_ids), hf_prompt_logprobs(reference, token_ids)
+                vllm_prompt_logprobs(engine, token_ids, lora_request=lora),
+                hf_prompt_logprobs(reference, token_ids),
             )
         }
         if processor is not None:
             image = _probe_image()
             collapsed, hf_inputs = image_prompt(processor, image)
             hf = hf_prompt_logprobs(reference, hf_inputs.pop("input_ids"), **hf_inputs)
-            out["image"] = max_abs_diff(vllm_prompt_logprobs(engine, collapsed, image=image), hf)
+            out["image"] = max_abs_diff(
+                vllm_prompt_logprobs(engine, collapsed, image=image, lora_request=lora), hf
+            )
         return out
 
     before = diffs()
     stats = None
     if not args.skip_sync:
-        stats = sync_weights(
-            policy, LocalEngines(engine), SyncState(), dtype=dtype, bucket_bytes=int(args.bucket_mb * 2**20)
-        )
+        engines, bucket_bytes = LocalEngines(engine), int(args.bucket_mb * 2**20)
+        if adapter_state:
+            stats = sync_adapter(policy, engines, adapter_state, dtype=dtype, bucket_bytes=bucket_bytes)
+        else:
+            stats = sync_weights(policy, engines, SyncState(), dtype=dtype, bucket_bytes=bucket_bytes)
     after = diffs()
     tolerance = LOGPROB_TOLERANCE[dtype_name]
     worst = max(after.values())
     return {
         "model": str(args.model),
+        "mode": args.mode,
         "dtype": dtype_name,
         "synced": not args.skip_sync,
         "max_abs_logprob_diff": worst,
@@ -243,11 +270,24 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.fault and args.mode != "merge":
+        print(
+            "verify_sync: --fault injects merge-mode faults; adapter mode's level-2 recovery is tested in "
+            "tests/test_adapter_mode.py",
+            file=sys.stderr,
+        )
+        return 2
     if args.fault:
         result = inject_fault(args)
         print(json.dumps(result))
         return 0 if result["detected"] and (result["recovered"] or args.fault != "sleep2") else 1
-    result = verify(args)
+    from openrlhf_lora_sync.merge import UnsupportedAdapterError
+
+    try:
+        result = verify(args)
+    except UnsupportedAdapterError as error:
+        print(f"verify_sync: {args.mode} mode refuses this adapter: {error}", file=sys.stderr)
+        return 2
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 

@@ -33,7 +33,7 @@ def tiny_model_dir(tmp_path_factory):
     return get
 
 
-def _engine_pool(tiny_model_dir):
+def _engine_pool(tiny_model_dir, lora_rank: int | None = None):
     from openrlhf_lora_sync.logprob_check import start_engine
 
     engines = {}
@@ -43,7 +43,9 @@ def _engine_pool(tiny_model_dir):
         key = (family, dtype or spec.dtype)
         if key not in engines:
             model_dir = str(tiny_model_dir(family))
-            engines[key] = start_engine(model_dir, key[1], images_per_prompt=int(spec.is_vlm))
+            engines[key] = start_engine(
+                model_dir, key[1], images_per_prompt=int(spec.is_vlm), lora_rank=lora_rank
+            )
         return engines[key]
 
     return get
@@ -60,3 +62,9 @@ def tiny_engine(tiny_model_dir):
 def sync_engine(tiny_model_dir):
     """Like tiny_engine, but separate engines that sync tests leave holding whatever they synced last."""
     return _engine_pool(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def adapter_engine(tiny_model_dir):
+    """Like sync_engine, but started with vLLM LoRA enabled for adapters up to rank 8 (adapter sync mode)."""
+    return _engine_pool(tiny_model_dir, lora_rank=8)

@@ -51,6 +51,14 @@ EXPECTED_SIGNATURES = {
         ("max_images_per_prompt", 0),
     ],
     "openrlhf.cli.train_ppo_ray:train": [("args", inspect.Parameter.empty)],
+    # checkpoint.atomic_save_model passes a staging directory as output_dir; rank 0 alone writes files
+    "openrlhf.utils.deepspeed:DeepspeedStrategy.save_model": [
+        ("self", inspect.Parameter.empty),
+        ("model", inspect.Parameter.empty),
+        ("tokenizer", inspect.Parameter.empty),
+        ("output_dir", inspect.Parameter.empty),
+        ("kwargs", inspect.Parameter.empty),
+    ],
 }
 
 

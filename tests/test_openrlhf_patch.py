@@ -4,6 +4,8 @@ patched `ActorPPOTrainer.broadcast_to_vllm` itself syncing a LoRA policy into a 
 The engine test runs OpenRLHF's own `RolloutRayActor` (vLLM's AsyncLLM with V1 multiprocessing, so the
 engine core is a separate, non-Ray process that loads the worker extension by import name) on CPU,
 and calls the patched method (not a copy) with the trainer's attributes it reads.
+It runs once per transport OpenRLHF's settings select: colocated engines get /dev/shm buckets, the
+others a broadcast over a process group with the engine workers (gloo here, NCCL on GPUs).
 Does not cover: a whole `train_ppo_ray` run (the CPU smoke issue), CUDA IPC or NCCL (gpu tests).
 """
 
@@ -80,17 +82,13 @@ def test_patch_reaches_ray_tasks_actors_and_nested_tasks(ray_cluster):
     assert ray.get(Probe.remote().patched.remote())
 
 
-def test_patched_broadcast_to_vllm_syncs_a_real_engine_actor(ray_cluster, tiny_model_dir):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
-    from vllm import SamplingParams
-
-    ray = ray_cluster
+@pytest.fixture(scope="module")
+def engine_actor(ray_cluster, tiny_model_dir):
+    """OpenRLHF's own engine actor (patched), on the tiny Qwen2.5-VL, as create_vllm_engines builds it."""
     openrlhf_patch.apply()
-    model_dir = str(tiny_model_dir("qwen2_5_vl"))
     # OpenRLHF's engines are bf16 (create_vllm_engines hardcodes it); its policy is bf16 with fp32 adapters.
     engine = vllm_engine.RolloutRayActor.options(num_cpus=1, num_gpus=0).remote(
-        model=model_dir,
+        model=str(tiny_model_dir("qwen2_5_vl")),
         dtype="bfloat16",
         seed=0,
         enforce_eager=True,
@@ -100,8 +98,22 @@ def test_patched_broadcast_to_vllm_syncs_a_real_engine_actor(ray_cluster, tiny_m
         worker_extension_cls="openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap",  # what upstream passes
         num_gpus=0,
     )
+    assert ray_cluster.get(engine.lora_sync_rpc.remote("packed_modules_mapping"))[0]  # our extension loaded
+    return engine
+
+
+def _trainer_and_check(engine, model_dir, colocated: bool, seed: int):
+    """A trainer carrying what the patched broadcast_to_vllm reads, and a function giving the engine's max
+    |logprob diff| from that trainer's HF-merged policy."""
+    import copy
+
+    import ray
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+    from vllm import SamplingParams
+
     base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     lora = LoraConfig(
         r=8,
         lora_alpha=16,
@@ -109,8 +121,6 @@ def test_patched_broadcast_to_vllm_syncs_a_real_engine_actor(ray_cluster, tiny_m
         init_lora_weights=False,
     )
     policy = get_peft_model(base, lora)
-    import copy
-
     reference = copy.deepcopy(policy).merge_and_unload().eval()
     token_ids = torch.randint(0, BYTE_VOCAB_SIZE, (32,), generator=torch.Generator().manual_seed(1)).tolist()
     expected = hf_prompt_logprobs(reference, token_ids)
@@ -123,17 +133,43 @@ def test_patched_broadcast_to_vllm_syncs_a_real_engine_actor(ray_cluster, tiny_m
         )
         return max_abs_diff(got, expected)
 
+    args = SimpleNamespace(
+        train=SimpleNamespace(colocate_all=colocated), vllm=SimpleNamespace(tensor_parallel_size=1)
+    )
     trainer = SimpleNamespace(
         actor=SimpleNamespace(model=SimpleNamespace(module=policy)),
-        strategy=SimpleNamespace(args=SimpleNamespace(train=SimpleNamespace(colocate_all=True))),
+        strategy=SimpleNamespace(args=args),
         vllm_engines=[engine],
     )
-    assert ray.get(engine.lora_sync_rpc.remote("packed_modules_mapping"))[0]  # our extension is loaded
+    return trainer, engine_diff
+
+
+@pytest.mark.parametrize(
+    "colocated, transport",
+    [
+        (True, "shm"),  # colocated engines: /dev/shm buckets
+        (False, "broadcast"),  # engines elsewhere: a process group with the engine workers (gloo on CPU)
+    ],
+)
+def test_patched_broadcast_to_vllm_syncs_a_real_engine_actor(
+    colocated, transport, engine_actor, tiny_model_dir
+):
+    from openrlhf_lora_sync.transport import BroadcastTransport
+
+    # A different seed per case: the engine holds the previous case's policy, which must not match this one.
+    trainer, engine_diff = _trainer_and_check(
+        engine_actor, str(tiny_model_dir("qwen2_5_vl")), colocated, seed=colocated
+    )
     before = engine_diff()
-    ppo_actor.ActorPPOTrainer.broadcast_to_vllm(trainer)
+    ppo_actor.ActorPPOTrainer.broadcast_to_vllm(
+        trainer
+    )  # the patched upstream method, LORA_SYNC_TRANSPORT=auto
     after = engine_diff()
 
     assert trainer._lora_sync_last_stats.mode == "full"
+    assert isinstance(getattr(trainer, "_lora_sync_broadcast", None), BroadcastTransport) == (
+        transport == "broadcast"
+    )
     assert before > 10 * LOGPROB_TOLERANCE["bfloat16"]
     assert after <= LOGPROB_TOLERANCE["bfloat16"], f"before {before:.3g}, after {after:.3g}"
     ppo_actor.ActorPPOTrainer.broadcast_to_vllm(trainer)

@@ -331,6 +331,8 @@ def test_cli_reports_every_check_and_fails_on_a_denied_probe_with_expandable_seg
         "model",
         "packages",
         "memory",
+        "transport",
+        "lora_config",
     }
     assert results["pidfd_getfd"]["status"] == preflight.FAIL
     assert "SYS_PTRACE" in results["pidfd_getfd"]["fix"]
@@ -345,5 +347,5 @@ def test_cli_with_the_users_recipe(tmp_path):
     memory = next(line for line in lines if line.startswith("FAIL  memory"))
     assert "Qwen/Qwen3.5-27B" in memory
     assert any("parameter offload" in line for line in lines)
-    assert lines[-1].startswith("preflight: 12 checks")
+    assert lines[-1].startswith("preflight: 14 checks")
     assert completed.returncode == 1

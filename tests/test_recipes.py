@@ -272,6 +272,7 @@ def test_repo_keys_become_environment_variables_and_never_flags():
         "sync.bucket_mb=256",
         "sync.vllm_sleep_level=2",
         "sync.transport=shm",
+        "sync.mode=adapter",
         "reward.format_weight=0.2",
         "reward.answer_format=think_answer",
     )
@@ -281,6 +282,7 @@ def test_repo_keys_become_environment_variables_and_never_flags():
         "REWARD_FORMAT_WEIGHT": "0.2",
         "REWARD_ANSWER_FORMAT": "think_answer",
         "LORA_SYNC_TRANSPORT": "shm",
+        "LORA_SYNC_MODE": "adapter",
         "LORA_SYNC_BUCKET_MB": "256",
         "LORA_SYNC_FORCE_FULL": "1",
         "LORA_SYNC_VLLM_SLEEP_LEVEL": "2",
@@ -291,11 +293,12 @@ def test_repo_keys_become_environment_variables_and_never_flags():
 
 
 def test_repo_keys_match_what_their_readers_accept():
-    from openrlhf_lora_sync.transport import TRANSPORTS
+    from openrlhf_lora_sync.transport import TRANSPORT_CHOICES
 
     parser, _ = rr.openrlhf_parser()
     assert not [key for key in rr.REPO_KEYS if f"--{key}" in parser._option_string_actions]
-    assert set(rr.SYNC_TRANSPORTS) == {"auto", *TRANSPORTS}
+    assert set(rr.SYNC_TRANSPORTS) == set(TRANSPORT_CHOICES)
+    assert rr.REPO_KEYS["sync.mode"][1]["choices"] == ("merge", "adapter")  # openrlhf_patch.sync_mode()
 
 
 @pytest.mark.parametrize(

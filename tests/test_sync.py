@@ -4,7 +4,7 @@ Covers, per tiny family: full sync of a LoRA policy (non-zero B) matches HF `mer
 same check before the sync fails; fp32 adapters into a bf16 engine; delta sync of q/v-only LoRA after a
 training step (plan sends only the fused q/k/v groups); a full sync restores an engine whose weights
 were lost; LoRA on the vision tower and without it, checked on an image prompt; checkpoint naming;
-refusal of unsupported adapters; the engine refusing a split fused group.
+refusal of unsupported adapters; the engine refusing a split fused group and names its loader skips.
 Does not cover: ZeRO-3 gathering (test_zero3_sync.py) or the OpenRLHF patch itself.
 """
 
@@ -250,6 +250,26 @@ def test_engine_rejects_a_fused_group_split_across_syncs(tiny_model_dir, sync_en
     # The engine is now mixed; a full sync brings it back.
     sync_weights(policy, LocalEngines(engine), SyncState(), dtype=torch.float32)
     assert text_diff(engine, merged_reference(policy)) <= LOGPROB_TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize(
+    "skipped_name",
+    [
+        "model.layers.0.mlp.gate_proj.bias",  # the layer has no bias: vLLM's loader drops it without a word
+        "model.layers.0.self_attn.rotary_emb.inv_freq",  # computed by vLLM, ignored on load
+    ],
+)
+def test_engine_rejects_names_its_loader_skips_silently(skipped_name, tiny_model_dir, sync_engine):
+    model_dir = tiny_model_dir("qwen3")
+    engine = sync_engine("qwen3")
+    layer_norm = "model.layers.0.input_layernorm.weight"
+    tensor = load_file(str(model_dir / "model.safetensors"))[layer_norm]
+    # Control: the same load without the skipped name goes through.
+    assert LocalEngines(engine).rpc("load_weights_in_place", [(layer_norm, tensor)])
+    with pytest.raises(WeightSyncError, match=f"skipped by vLLM's loader.*{skipped_name}"):
+        LocalEngines(engine).rpc(
+            "load_weights_in_place", [(layer_norm, tensor), (skipped_name, torch.ones(64))]
+        )
 
 
 def test_buckets_respect_the_limit_and_never_split_a_group():

@@ -8,7 +8,10 @@ world size 2 sharded; that the gather is collective (every rank iterates); and t
 returns the same tensors (nothing was merged in place). The parent then checks that both runs give the
 same names and bitwise-equal tensors, that the names are exactly the HF checkpoint's on disk, and that
 the values equal peft's own `merge_and_unload()` without DeepSpeed; negative controls show the
-comparison catches a missing LoRA delta and a corrupted tensor.
+comparison catches a missing LoRA delta and a corrupted tensor. The same workers also collect what the
+adapter sync mode sends (adapter_mode.py): the adapter alone, which must equal on both world sizes what
+peft saves (names and values), and the base weights with the adapters switched off (its resync after a
+level-2 wake), which must equal the checkpoint on disk, unmerged.
 
 Does not cover: bf16 policies, CPU/NVMe offload, `modules_to_save`, what is sent (plan.py), packing and
 transport (bucket.py, transport.py), or the engine side; nor DeepSpeed's default coalesced gather, which
@@ -116,10 +119,17 @@ def run_worker(model_dir: str, adapter_dir: str, out_dir: str) -> None:
     assert first.keys() == second.keys()
     unequal = [name for name in first if not torch.equal(first[name], second[name])]
     assert not unequal, f"second sync differs (merged in place?): {unequal[:5]}"
+    from openrlhf_lora_sync.adapter_mode import adapters_switched_off, lora_tensors
+
+    adapter = dict(lora_tensors(engine.module, torch.float32))
+    with adapters_switched_off(engine.module):
+        unmerged = _sync_once(engine)
 
     (out / f"rank{rank}.json").write_text(json.dumps({"world_size": world_size, **stats}))
     if rank == 0:
         torch.save(first, out / "synced.pt")
+        torch.save(adapter, out / "adapter.pt")
+        torch.save(unmerged, out / "unmerged.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -273,6 +283,12 @@ def test_zero3_world_size_2_syncs_same_tensors_as_world_size_1(tiny_model_dir, t
     assert tensor_diffs(corrupted, ws1)[1] > REFERENCE_ATOL
     dropped = {n: t for n, t in ws2.items() if n != victim}
     assert tensor_diffs(dropped, ws1)[0] == [f"missing {victim}"]
+
+    # Adapter sync mode: the adapter as peft saved it (names and values), and the base unmerged.
+    saved_adapter = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    for ws in ("ws1", "ws2"):
+        _check_close(torch.load(tmp_path / ws / "adapter.pt"), saved_adapter, 0.0, f"{ws} adapter vs peft's")
+        _check_close(torch.load(tmp_path / ws / "unmerged.pt"), on_disk, 0.0, f"{ws} base vs checkpoint")
 
     print(
         f"{len(ws1)} tensors; max |ws2-ws1| {ws_diff:.3g}; max |ws-peft| {ref_diffs}; "

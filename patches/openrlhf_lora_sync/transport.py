@@ -7,18 +7,25 @@ Transports (the worker side of each is in worker_extension.py):
   expandable segments off: IPC of expandable-segment memory is what calls `pidfd_getfd`, which
   Ubuntu's default `kernel.yama.ptrace_scope=1` (and Docker without CAP_SYS_PTRACE) forbids. Plain
   cudaMalloc memory is shared with cudaIpcGetMemHandle, which needs no ptrace permission.
-Each `send_via_*` takes (rpc or None, named tensors) and is called on every trainer rank; the rank
-holding the rpc talks to the engines. TRANSPORTS maps the names recipes use to them.
-Does not cover: NCCL to engines on other GPUs (not colocated runs keep OpenRLHF's own path).
+- "broadcast": for engines that do not share the trainer's GPUs, on this node or others. Trainer rank 0
+  and every engine worker join one process group of their own (vLLM's stateless group: it leaves both
+  sides' default groups alone), NCCL on GPUs and gloo on CPU; each bucket is broadcast from rank 0.
+Each sender takes (rpc or None, named tensors) and is called on every trainer rank; the rank holding
+the rpc talks to the engines. TRANSPORTS maps the names recipes use to the stateless ones;
+`BroadcastTransport` keeps its process group and is built per run.
+Does not cover: choosing among them (openrlhf_patch.sync_transport).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import tempfile
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -28,24 +35,53 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 # rpc(method_name, *args) -> list of per-engine results; supplied by the caller (in-process LLMs, Ray actors).
 Rpc = Callable[..., list]
+# send(rpc or None, named tensors) -> (bytes, per-worker results): one bucket to every engine.
+Send = Callable[[Rpc | None, list[tuple[str, torch.Tensor]]], tuple[int, list]]
 
 
-def send_via_shm(rpc: Rpc | None, named: list[tuple[str, torch.Tensor]]) -> tuple[int, list]:
-    """Write the bucket to a /dev/shm file, have every engine load it, remove the file. (bytes, results)
-    Only the sending rank calls it (rpc given); other ranks have nothing to do."""
+class ShmBucket(NamedTuple):
+    """A packed bucket in a /dev/shm file, written and not yet loaded."""
+
+    path: str
+    total: int
+    metas: list[TensorMeta]
+
+
+def stage_shm_bucket(named: list[tuple[str, torch.Tensor]]) -> ShmBucket:
+    """Pack the bucket into a new /dev/shm file. The tensors may be freed once this returns; the file is
+    removed by load_shm_bucket (or by the caller, if it never loads it)."""
     metas, total = layout(named)
-    if rpc is None:
-        return total, []
     path = os.path.join(SHM_DIR, f"openrlhf-lora-sync-{os.getpid()}-{uuid.uuid4().hex}.bin")
     try:
         buffer = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
         pack_into(buffer, named, metas)
         del buffer  # unmaps; the file keeps the bytes
-        results = rpc("load_bucket_from_file", path, total, [tuple(meta) for meta in metas])
+    except BaseException:
+        remove_shm_bucket(ShmBucket(path, total, metas))
+        raise
+    return ShmBucket(path, total, metas)
+
+
+def load_shm_bucket(rpc: Rpc, bucket: ShmBucket) -> list:
+    """Have every engine load a staged bucket, then remove its file."""
+    try:
+        return rpc("load_bucket_from_file", bucket.path, bucket.total, [tuple(meta) for meta in bucket.metas])
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    return total, results
+        remove_shm_bucket(bucket)
+
+
+def remove_shm_bucket(bucket: ShmBucket) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(bucket.path)
+
+
+def send_via_shm(rpc: Rpc | None, named: list[tuple[str, torch.Tensor]]) -> tuple[int, list]:
+    """Write the bucket to a /dev/shm file, have every engine load it, remove the file. (bytes, results)
+    Only the sending rank calls it (rpc given); other ranks have nothing to do."""
+    if rpc is None:
+        return layout(named)[1], []
+    bucket = stage_shm_bucket(named)
+    return bucket.total, load_shm_bucket(rpc, bucket)
 
 
 def read_shm_bucket(path: str, total: int) -> torch.Tensor:
@@ -113,3 +149,64 @@ def open_cuda_ipc_bucket(handle: tuple, device_index: int) -> torch.Tensor:
 
 
 TRANSPORTS = {"shm": send_via_shm, "cuda_ipc": send_via_cuda_ipc}
+# What LORA_SYNC_TRANSPORT accepts: auto, the stateless senders, and the broadcast (which keeps a group).
+TRANSPORT_CHOICES = ("auto", *TRANSPORTS, "broadcast")
+
+
+class BroadcastTransport:
+    """Sends buckets by broadcast over a process group of trainer rank 0 and all engine workers (world rank
+    1 + i * workers_per_engine + worker rank for engine i). The group is formed at the first bucket and
+    dropped when a bucket fails, so the next sync forms a new one."""
+
+    def __init__(self, engines, workers_per_engine: int = 1, host: str | None = None) -> None:
+        self.engines = engines
+        self.workers_per_engine = workers_per_engine
+        self.host = host or _node_address()
+        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
+        self.group = None
+
+    def _connect(self) -> None:
+        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+        count = len(self.engines)
+        world_size = 1 + count * self.workers_per_engine
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        joins = [
+            (self.host, port, 1 + i * self.workers_per_engine, world_size, self.backend) for i in range(count)
+        ]
+        # Every member blocks in the rendezvous until all have arrived: the engines join from a thread.
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(self.engines.rpc_each, "join_broadcast_group", joins)
+            group = stateless_init_torch_distributed_process_group(
+                self.host, port, 0, world_size, self.backend
+            )
+            joined.result()
+        self.group = group
+
+    def __call__(self, rpc: Rpc | None, named: list[tuple[str, torch.Tensor]]) -> tuple[int, list]:
+        metas, total = layout(named)
+        if rpc is None:
+            return total, []
+        if self.group is None:
+            self._connect()
+        buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+        pack_into(buffer, named, metas)
+        with ThreadPoolExecutor(1) as pool:
+            receiving = pool.submit(rpc, "load_bucket_broadcast", total, [tuple(meta) for meta in metas])
+            sent = self.group.broadcast(buffer, root=0)
+            try:
+                results = receiving.result()
+            except BaseException:
+                self.group = None  # a receiver left mid-broadcast: this group's state is unknown
+                raise
+            sent.wait()
+        return total, results
+
+
+def _node_address() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

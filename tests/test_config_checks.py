@@ -1,0 +1,192 @@
+"""Bad configurations fail before any GPU work, each naming its fix; the same configuration fixed passes.
+
+One case per configuration issue 6 lists, each run through the entry point that catches it first:
+scripts/render_recipe.py (recipe keys, no torch), scripts/preflight.py's checks (the model built from its
+config on the meta device, the host's real pidfd_getfd probe, denied for real), or the launcher's
+checks of hand-passed flags (openrlhf_lora_sync.config_checks). Every case also runs with the fix
+applied and must pass, so a check that refused everything would fail here.
+
+Does not cover: GPUs (the transport case gives preflight a GPU list), other releases actually installed
+(the version case passes the installed versions in), the full preflight command line
+(tests/test_preflight.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import ray
+from openrlhf_lora_sync import config_checks, launch
+
+from scripts import preflight, render_recipe
+
+RTX_4090 = preflight.GpuInfo("NVIDIA GeForce RTX 4090", 23.99)
+SMOKE = render_recipe.RECIPES_DIR / "smoke-cpu.yaml"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    check: Callable  # (config, context) -> the failure text, or None when the configuration passes
+    bad: object
+    fixed: object
+    fix_named: tuple[str, ...]  # what the failure text must say
+
+
+def via_render(overrides: dict, context) -> str | None:
+    flags = {**render_recipe.load_recipe(SMOKE), **overrides}
+    try:
+        render_recipe.render(flags, environ={})
+    except render_recipe.RecipeError as error:
+        return str(error)
+    return None
+
+
+def via_preflight_lora(flags: dict, context) -> str | None:
+    result = preflight.check_lora_config(flags, {}, str(context["model"]))
+    return f"{result.summary} fix: {result.fix}" if result.status == preflight.FAIL else None
+
+
+def via_preflight_transport(flags: dict, context) -> str | None:
+    result = preflight.check_transport(flags, {}, [RTX_4090], context["denied_probe"])
+    return f"{result.summary} fix: {result.fix}" if result.status == preflight.FAIL else None
+
+
+def via_versions(installed: dict, context) -> str | None:
+    problems = config_checks.version_problems(installed)
+    return "\n".join(map(str, problems)) or None
+
+
+def via_launcher_flags(argv: list[str], context) -> str | None:
+    argv = ["--actor.model_name_or_path", str(context["model"]), *argv]
+    fatal = [p for p in config_checks.launch_problems(argv, {}, context["installed"]) if p.fatal]
+    return "\n".join(map(str, fatal)) or None
+
+
+CASES = [
+    Case(
+        "rank above adapter mode's vLLM limit",
+        via_preflight_lora,
+        {"ds.lora.rank": 1024, "sync.mode": "adapter", "ds.lora.target_modules": ["q_proj"]},
+        {"ds.lora.rank": 512, "sync.mode": "adapter", "ds.lora.target_modules": ["q_proj"]},
+        ("512", "sync.mode: merge"),
+    ),
+    Case(
+        "target_modules matching nothing (vLLM's fused name)",
+        via_preflight_lora,
+        {"ds.lora.rank": 8, "ds.lora.target_modules": ["qkv_proj"]},
+        {"ds.lora.rank": 8, "ds.lora.target_modules": ["q_proj", "k_proj", "v_proj"]},
+        ("matches no module", "q_proj", "k_proj"),
+    ),
+    Case(
+        "target_modules matching a Conv3d",
+        via_preflight_lora,
+        {"ds.lora.rank": 8, "ds.lora.target_modules": ["proj"]},
+        {"ds.lora.rank": 8, "ds.lora.target_modules": ["attn.proj"]},
+        ("Conv3d", "linear layers only"),
+    ),
+    Case(
+        "adapter mode with LoRA on the vision tower (OpenRLHF's default all-linear)",
+        via_preflight_lora,
+        {"ds.lora.rank": 8, "sync.mode": "adapter"},
+        {"ds.lora.rank": 8, "sync.mode": "adapter", "ds.lora.target_modules": ["q_proj", "v_proj"]},
+        ("vision tower", "sync.mode: merge"),
+    ),
+    Case(
+        "non-LoRA run with the patch's LoRA options",
+        via_render,
+        {"ds.lora.rank": 0},
+        {},
+        ("ds.lora.rank > 0", "openrlhf.cli.train_ppo_ray", "ds.lora.alpha"),
+    ),
+    Case("DoRA", via_render, {"ds.lora.use_dora": True}, {}, ("remove ds.lora.use_dora", "plain LoRA")),
+    Case(
+        "unsupported OpenRLHF/vLLM version",
+        via_versions,
+        {"openrlhf": "0.10.1", "vllm": "0.29.0"},
+        {"openrlhf": "0.11.2", "vllm": "0.29.0+cpu"},
+        ("OpenRLHF 0.11.2", "openrlhf 0.10.1", "scripts/setup_env.sh"),
+    ),
+    Case(
+        "transport the host forbids",
+        via_preflight_transport,
+        {"sync.transport": "cuda_ipc"},
+        {"sync.transport": "shm"},
+        ("pidfd_getfd", "sync.transport: shm"),
+    ),
+    Case(
+        "flags passed by hand to the launcher",
+        via_launcher_flags,
+        ["--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj", "--ds.lora.use_dora"],
+        ["--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj"],
+        ("remove ds.lora.use_dora",),
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def context(tiny_model_dir):
+    denied = preflight.check_pidfd_getfd({}, force_denied=True)
+    assert denied.details["errno"] == "EPERM", denied  # really denied, not simulated
+    return {
+        "model": tiny_model_dir("qwen2_5_vl"),
+        "denied_probe": denied,
+        "installed": {"openrlhf": "0.11.2", "vllm": "0.29.0"},
+    }
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_bad_configuration_fails_naming_the_fix_and_the_fixed_one_passes(case, context):
+    failure = case.check(case.bad, context)
+    assert failure is not None, f"{case.name}: not refused"
+    missing = [fragment for fragment in case.fix_named if fragment not in failure]
+    assert not missing, f"{case.name}: the message lacks {missing}:\n{failure}"
+    assert case.check(case.fixed, context) is None
+
+
+def test_merge_mode_rank_above_a_targets_dimensions_warns_only(context):
+    flags = {"ds.lora.rank": 200, "ds.lora.target_modules": ["q_proj"]}  # the tiny model's hidden size is 128
+    result = preflight.check_lora_config(flags, {}, str(context["model"]))
+    assert result.status == preflight.WARN and "ds.lora.rank: 128 or less" in result.fix
+    result = preflight.check_lora_config({**flags, "ds.lora.rank": 128}, {}, str(context["model"]))
+    assert result.status == preflight.PASS
+
+
+def test_launcher_refuses_before_starting_ray(context, capsys):
+    argv = ["--actor.model_name_or_path", str(context["model"]), "--ds.lora.rank", "0"]
+    assert launch.main(argv) == 2
+    assert "ds.lora.rank > 0" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+def test_flags_from_argv_reads_lists_switches_and_values():
+    argv = ["--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj", "v_proj", "--train.colocate_all"]
+    assert config_checks.flags_from_argv([*argv, "--x=1"]) == {
+        "ds.lora.rank": "8",
+        "ds.lora.target_modules": ["q_proj", "v_proj"],
+        "train.colocate_all": True,
+        "x": "1",
+    }
+    assert config_checks.flags_from_argv(["--ds.lora.target_modules", "q_proj"])[
+        "ds.lora.target_modules"
+    ] == ["q_proj"]
+
+
+@pytest.mark.parametrize(
+    "recipe", sorted(p.name for p in render_recipe.RECIPES_DIR.glob("*.yaml") if p.name != "base.yaml")
+)
+def test_shipped_recipes_target_modules_that_exist(recipe, tiny_model_dir):
+    """Each recipe's LoRA targets against its model: a hub id's reference config (memory_budget.py), or
+    the tiny checkpoint the smoke recipe builds. Negative control: a target no Qwen model has."""
+    flags = render_recipe.load_recipe(render_recipe.RECIPES_DIR / recipe)
+    model = flags["actor.model_name_or_path"]
+    if recipe == "smoke-cpu.yaml":
+        model = str(tiny_model_dir("qwen2_5_vl"))
+    result = preflight.check_lora_config(flags, {}, model)
+    # Qwen3.5's in_proj_a/in_proj_b project to one value per linear-attention head (32 in the 9B, 48 in
+    # the 27B), below the recipes' rank 64: a warning, which these recipes accept.
+    assert result.status == preflight.PASS or "above min(in, out)" in result.summary, result
+    result = preflight.check_lora_config({**flags, "ds.lora.target_modules": ["c_attn"]}, {}, model)
+    assert result.status == preflight.FAIL and "matches no module" in result.summary
