@@ -1,7 +1,8 @@
 """scripts/verify_sync.py as a user runs it: one JSON line, exit 0 iff vLLM matches the merged policy.
 
 Covers: a VL checkpoint with a processor (image prompt checked too), a checkpoint without tokenizer
-files, and --skip-sync, which must fail (the check can fail). Each run is a fresh process with its own
+files, and --skip-sync, which must fail (the check can fail); the same with --mode adapter (vLLM
+LoRA with the adapter delivered in memory) for every family. Each run is a fresh process with its own
 vLLM engine, as on a user's machine.
 """
 
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from openrlhf_lora_sync import adapter_mode
+from openrlhf_lora_sync.tiny_models import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,5 +52,21 @@ def test_checkpoint_without_tokenizer_files(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("family", ["qwen3_5"])
 def test_skip_sync_reports_not_ok(family, tiny_model_dir):
     code, result = run_verify("--model", tiny_model_dir(family), "--skip-sync")
+    assert code == 1 and not result["ok"] and result["sync"] is None
+    assert result["max_abs_logprob_diff"] > 10 * result["tolerance"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_verify_sync_adapter_mode_passes(family, tiny_model_dir):
+    assert FAMILIES[family].name in adapter_mode.SUPPORTED_MODEL_TYPES
+    code, result = run_verify("--model", tiny_model_dir(family), "--mode", "adapter")
+    assert code == 0 and result["ok"] and result["mode"] == "adapter", result
+    assert result["max_abs_logprob_diff"] <= result["tolerance"] < result["before_diff"] / 10
+    assert result["image_checked"] == FAMILIES[family].is_vlm
+    assert result["sync"]["mode"] == "adapter"
+
+
+def test_verify_sync_adapter_mode_skip_sync_fails(tiny_model_dir):
+    code, result = run_verify("--model", tiny_model_dir("qwen3"), "--mode", "adapter", "--skip-sync")
     assert code == 1 and not result["ok"] and result["sync"] is None
     assert result["max_abs_logprob_diff"] > 10 * result["tolerance"]
