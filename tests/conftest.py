@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from openrlhf_lora_sync.tiny_models import FAMILIES, build_tiny_model
+from openrlhf_lora_sync.tiny_models import BYTE_VOCAB_SIZE, FAMILIES, build_tiny_model
 
 
 def pytest_collection_modifyitems(config, items):
@@ -68,3 +68,19 @@ def sync_engine(tiny_model_dir):
 def adapter_engine(tiny_model_dir):
     """Like sync_engine, but started with vLLM LoRA enabled for adapters up to rank 8 (adapter sync mode)."""
     return _engine_pool(tiny_model_dir, lora_rank=8)
+
+
+@pytest.fixture(scope="session")
+def training_step():
+    """step(policy, seed=1): one large SGD step on a peft policy's adapters, big enough that an engine
+    still holding the previous adapters is visibly another policy."""
+
+    def step(policy, seed: int = 1) -> None:
+        adapters = [p for n, p in policy.named_parameters() if "lora_" in n]
+        optimizer = torch.optim.SGD(adapters, lr=0.5)
+        input_ids = torch.randint(0, BYTE_VOCAB_SIZE, (1, 32), generator=torch.Generator().manual_seed(seed))
+        policy(input_ids=input_ids, labels=input_ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step

@@ -60,16 +60,6 @@ def lora_policy(family: str, model_dir, target_modules=LANGUAGE_LINEARS, seed: i
     return get_peft_model(base, LoraConfig(target_modules=target_modules, **options))
 
 
-def training_step(policy, seed: int = 1) -> None:
-    """One large SGD step on the adapters: the engine's installed adapter is visibly stale after it."""
-    adapters = [p for n, p in policy.named_parameters() if "lora_" in n]
-    optimizer = torch.optim.SGD(adapters, lr=0.5)
-    input_ids = torch.randint(0, BYTE_VOCAB_SIZE, (1, 32), generator=torch.Generator().manual_seed(seed))
-    policy(input_ids=input_ids, labels=input_ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 def engine_diff(llm, policy, lora_request) -> float:
     """Max |logprob| difference between the engine (with `lora_request`) and HF's merged policy."""
     reference = copy.deepcopy(policy).merge_and_unload().eval()
@@ -109,7 +99,9 @@ def test_verify_sync_adapter_mode_refuses_a_vision_tower_adapter(tiny_model_dir,
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2_5_vl"])
-def test_steady_state_sends_the_adapter_alone_and_follows_training(family, tiny_model_dir, adapter_engine):
+def test_steady_state_sends_the_adapter_alone_and_follows_training(
+    family, tiny_model_dir, adapter_engine, training_step
+):
     llm = adapter_engine(family)
     tolerance = LOGPROB_TOLERANCE[FAMILIES[family].dtype]
     dtype = getattr(torch, FAMILIES[family].dtype)

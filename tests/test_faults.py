@@ -53,16 +53,6 @@ def lora_policy(model_dir, family: str, target_modules=LINEARS, seed: int = 0):
     return get_peft_model(base, config)
 
 
-def training_step(policy, seed: int = 1) -> None:
-    """One large SGD step on the adapters: big enough that a stale engine is visibly another policy."""
-    adapters = [p for n, p in policy.named_parameters() if "lora_" in n]
-    optimizer = torch.optim.SGD(adapters, lr=0.5)
-    input_ids = torch.randint(0, BYTE_VOCAB_SIZE, (1, 32), generator=torch.Generator().manual_seed(seed))
-    policy(input_ids=input_ids, labels=input_ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 def probed(policy, engines, family: str, label: str) -> probe.ProbeResult:
     result = probe.run_probe(policy, engines, FAMILIES[family].dtype)
     PROBE_DIFFS.append((label, family, result))
@@ -147,7 +137,7 @@ def test_dropped_bucket_in_a_full_sync_is_refused_by_the_engine(drop, setup, mon
     assert state.full_reason == "the previous sync failed midway"
 
 
-def test_dropped_bucket_in_a_delta_sync_fails_the_probe(setup, monkeypatch):
+def test_dropped_bucket_in_a_delta_sync_fails_the_probe(setup, monkeypatch, training_step):
     policy, engines, state, dtype = setup()
     training_step(policy)
     with faulty_shm(monkeypatch, drop=0) as sent:
@@ -162,7 +152,7 @@ def test_dropped_bucket_in_a_delta_sync_fails_the_probe(setup, monkeypatch):
 @pytest.mark.parametrize(
     "family, targets", [(FAMILY, LINEARS), ("qwen2_5_vl", r".*language_model.*\.(q|v)_proj")]
 )
-def test_skipped_sync_leaves_a_stale_engine_the_probe_catches(family, targets, setup):
+def test_skipped_sync_leaves_a_stale_engine_the_probe_catches(family, targets, setup, training_step):
     policy, engines, state, dtype = setup(family, targets)
     training_step(policy)
     assert_probe_fails(policy, engines, family, "stale (sync skipped)")
@@ -170,7 +160,7 @@ def test_skipped_sync_leaves_a_stale_engine_the_probe_catches(family, targets, s
     assert_probe_passes(policy, engines, family, "none (delta sync)")
 
 
-def test_transport_error_mid_sync_is_never_reported_as_success(setup, monkeypatch):
+def test_transport_error_mid_sync_is_never_reported_as_success(setup, monkeypatch, training_step):
     policy, engines, state, dtype = setup()
     training_step(policy)
     with faulty_shm(monkeypatch, raise_at=2), pytest.raises(ConnectionError, match="injected"):
@@ -199,7 +189,7 @@ def _cached_tokens(llm, token_ids, **params) -> int:
     return output.num_cached_tokens
 
 
-def test_prefix_cache_reset_is_checked_since_prompt_logprobs_never_read_it(setup, sync_engine):
+def test_prefix_cache_reset_is_checked_since_prompt_logprobs_never_read_it(setup, sync_engine, training_step):
     """vLLM skips prefix-cache reads for requests with prompt_logprobs (SamplingParams sets
     skip_reading_prefix_cache), so the probe always recomputes every position and cannot see a stale
     prefix cache. Rollouts do read it; what is testable is that a sync empties it, and the fault."""
@@ -222,7 +212,7 @@ def test_prefix_cache_reset_is_checked_since_prompt_logprobs_never_read_it(setup
     assert _cached_tokens(llm, prompt) == 0  # the sync's reset emptied it
 
 
-def test_patched_sync_probe_logs_metrics_and_stops_on_a_stale_engine(setup):
+def test_patched_sync_probe_logs_metrics_and_stops_on_a_stale_engine(setup, training_step):
     """openrlhf_patch's post-sync step (what lora_broadcast_to_vllm runs every LORA_SYNC_PROBE_EVERY syncs)
     on in-process engines: the probe's numbers reach the logged metrics, and a stale engine raises."""
     from types import SimpleNamespace
