@@ -50,6 +50,8 @@ def progress(message: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from openrlhf_lora_sync.sync import DEFAULT_BUCKET_BYTES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 repeats and shorter generations (< 10 min)")
     parser.add_argument("--repeats", type=int, help="timed repeats per row (default 3 quick, 5 otherwise)")
@@ -59,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, default=64, help="LoRA rank")
     parser.add_argument("--lora-alpha", type=int, help="LoRA alpha (default 2 x rank)")
     parser.add_argument("--gen-tokens", type=int, help="tokens generated per prompt (default 16 quick, 64)")
+    parser.add_argument(
+        "--bucket-mb", type=float, default=DEFAULT_BUCKET_BYTES / 2**20, help="sync bucket size"
+    )
     parser.add_argument("--skip-adapter", action="store_true", help="no adapter row or LoRA engine")
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (3 if args.quick else 5)
@@ -233,6 +238,21 @@ def tokens_per_second(llm, gen_tokens: int, rounds: int, lora_request=None) -> f
     return best
 
 
+def keep_off_engine_cpus() -> None:
+    """Run this process (the trainer) on the CPUs vLLM's CPU workers are not bound to. vLLM binds each
+    worker to its own cores and leaves the rest to the frontend process, which here is also the trainer;
+    a trainer spreading its threads over the workers' cores would fight the engine's reload for them,
+    which no GPU deployment does (trainer and engine compute on their own devices)."""
+    import psutil
+
+    workers = [p for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::Worker")]
+    free = set(os.sched_getaffinity(0)) - {cpu for worker in workers for cpu in worker.cpu_affinity()}
+    if workers and free:
+        os.sched_setaffinity(0, free)
+        torch.set_num_threads(len(free))
+    progress(f"trainer on CPUs {sorted(os.sched_getaffinity(0))}, {torch.get_num_threads()} threads")
+
+
 def stop_engine(llm) -> None:
     llm.llm_engine.engine_core.shutdown()
     del llm
@@ -256,6 +276,7 @@ def run(args: argparse.Namespace) -> dict:
     # sync of the 20-layer bench model measured 0.04 against the fp32 reference (0.059 against HF in bf16);
     # broken syncs measured 0.24 and up (probe.py).
     dtype, tolerance = torch.bfloat16, PROBE_THRESHOLD["bfloat16"]
+    bucket = int(args.bucket_mb * 2**20)
     token_ids = torch.randint(0, BYTE_VOCAB_SIZE, (32,), generator=torch.Generator().manual_seed(1)).tolist()
     rows: dict[str, dict] = {}
     diffs: dict[str, float] = {}
@@ -268,6 +289,7 @@ def run(args: argparse.Namespace) -> dict:
     reference = Reference(policy, token_ids)
     llm = start_engine(model_dir, "bfloat16", multiprocess=True)
     progress("engine started")
+    keep_off_engine_cpus()
     engines = CountingEngines(llm)
     # The negative control: the engine still on the base checkpoint must fail the check by a wide margin.
     diffs["unsynced"] = reference.diff(llm)
@@ -281,17 +303,17 @@ def run(args: argparse.Namespace) -> dict:
     progress(f"floor: {rows['floor']['seconds']}")
 
     def full_sync():
-        return sync_weights(policy, engines, SyncState(), dtype=dtype, force_full=True)
+        return sync_weights(policy, engines, SyncState(), dtype=dtype, force_full=True, bucket_bytes=bucket)
 
     full_sync()  # warm-up, untimed: the process's first sync pays first-touch costs a training run pays once
     rows["full"] = counted(engines, lambda: time_syncs(full_sync, args.repeats))
     verify("full", reference.diff(llm))
 
     state = SyncState()
-    sync_weights(policy, engines, state, dtype=dtype)  # the full sync the deltas follow
+    sync_weights(policy, engines, state, dtype=dtype, bucket_bytes=bucket)  # the full sync the deltas follow
 
     def delta_sync():
-        return sync_weights(policy, engines, state, dtype=dtype)
+        return sync_weights(policy, engines, state, dtype=dtype, bucket_bytes=bucket)
 
     rows["delta_all"] = counted(
         engines, lambda: time_syncs(delta_sync, args.repeats, between=lambda i: retrain(policy, 100 + i))
@@ -308,10 +330,10 @@ def run(args: argparse.Namespace) -> dict:
 
     qv_policy = lora_policy(model_dir, QV_ONLY, args.rank, args.lora_alpha, seed=1)
     qv_state = SyncState()
-    sync_weights(qv_policy, engines, qv_state, dtype=dtype)
+    sync_weights(qv_policy, engines, qv_state, dtype=dtype, bucket_bytes=bucket)
 
     def qv_delta_sync():
-        return sync_weights(qv_policy, engines, qv_state, dtype=dtype)
+        return sync_weights(qv_policy, engines, qv_state, dtype=dtype, bucket_bytes=bucket)
 
     rows["delta_qv"] = counted(
         engines,

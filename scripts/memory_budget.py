@@ -603,7 +603,7 @@ class Settings:
     micro_train_batch_size: int = 1
     max_len: int = 2048  # prompt + response tokens
     gradient_checkpointing: bool = False  # --actor.gradient_checkpointing_enable
-    bucket_mb: int = 512
+    bucket_mb: int = 128  # recipes/base.yaml sync.bucket_mb
     transport: str = "cuda_ipc"  # "cuda_ipc", "shm" or "nccl"
 
     @property
@@ -974,7 +974,7 @@ def settings_from_flags(flags: dict, gpu_mem_gib: float = 24.0) -> Settings:
         micro_train_batch_size=int(get("train.micro_batch_size")),
         max_len=int(get("data.max_len")),
         gradient_checkpointing=bool(get("actor.gradient_checkpointing_enable")),
-        bucket_mb=int(repo("bucket_mb", 512)),
+        bucket_mb=int(repo("bucket_mb", Settings.bucket_mb)),
         transport=str(repo("transport", "cuda_ipc" if colocate else "nccl")),
     )
 

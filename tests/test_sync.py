@@ -4,13 +4,18 @@ Covers, per tiny family: full sync of a LoRA policy (non-zero B) matches HF `mer
 same check before the sync fails; fp32 adapters into a bf16 engine; delta sync of q/v-only LoRA after a
 training step (plan sends only the fused q/k/v groups); a full sync restores an engine whose weights
 were lost; LoRA on the vision tower and without it, checked on an image prompt; checkpoint naming;
-refusal of unsupported adapters; the engine refusing a split fused group and names its loader skips.
+refusal of unsupported adapters; the engine refusing a split fused group and names its loader skips;
+the /dev/shm files pipelining reuses: kept between syncs, replaced after a failure, and never
+overwritten while vLLM still holds views into them (a padded vocabulary).
 Does not cover: ZeRO-3 gathering (test_zero3_sync.py) or the OpenRLHF patch itself.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
+import glob
+import os
 
 import pytest
 import torch
@@ -30,12 +35,13 @@ from openrlhf_lora_sync.merge import (
 from openrlhf_lora_sync.plan import SyncState
 from openrlhf_lora_sync.sync import LocalEngines, sync_weights
 from openrlhf_lora_sync.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
+from openrlhf_lora_sync.transport import SHM_DIR
 from openrlhf_lora_sync.worker_extension import WeightSyncError
 from peft import LoraConfig, get_peft_model
 from PIL import Image, ImageDraw
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 LANGUAGE_LINEARS = (
     r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
@@ -299,3 +305,93 @@ def test_modules_to_save_copy_is_what_the_engine_gets(tiny_model_dir, sync_engin
     delta = sync_weights(policy, engines, state, dtype=torch.float32)
     assert "lm_head" in plan.module_names and delta.mode == "delta"
     assert text_diff(engine, merged_reference(policy)) <= tolerance
+
+
+class _LoadReports(LocalEngines):
+    """LocalEngines that records whether each /dev/shm bucket load left the engine holding the file, and
+    can hide that from the sender (the negative control: the sender then overwrites held views)."""
+
+    def __init__(self, engine, hide_holds: bool) -> None:
+        super().__init__(engine)
+        self.hide_holds = hide_holds
+        self.holds: list[bool] = []
+
+    def rpc(self, method: str, *args) -> list:
+        results = super().rpc(method, *args)
+        if method == "load_bucket_from_file":
+            self.holds.append(any(result["holds_file"] for result in results))
+            if self.hide_holds:
+                results = [{**result, "holds_file": False} for result in results]
+        return results
+
+
+def test_shm_slot_is_not_reused_while_the_engine_holds_views_into_it(tmp_path, tiny_model_dir):
+    """vLLM pads a vocabulary of 300 to 320 rows, so its layerwise reload keeps the embedding's received
+    tensor (a view into the first bucket's file) until finalize. That file must not carry a later bucket:
+    hiding the engine's report makes the sender reuse it, and the engine ends up with wrong weights."""
+    from openrlhf_lora_sync.logprob_check import start_engine
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3"), dtype=torch.float32)
+    base.resize_token_embeddings(300)
+    base.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tiny_model_dir("qwen3")).save_pretrained(tmp_path)
+    engine = start_engine(str(tmp_path), "float32", multiprocess=True)
+    policy = lora_policy(tmp_path, "qwen3", TARGETS["qwen3"])
+    reference = merged_reference(policy)
+    tolerance = LOGPROB_TOLERANCE["float32"]
+
+    def sync(engine, hide_holds: bool) -> tuple[float, list[bool]]:
+        engines = _LoadReports(engine, hide_holds)
+        sync_weights(policy, engines, SyncState(), dtype=torch.float32, bucket_bytes=SMALL_BUCKET)
+        return text_diff(engine, reference), engines.holds
+
+    overwritten, holds = sync(engine, hide_holds=True)
+    kept, _ = sync(engine, hide_holds=False)
+    # Dropped, not shut down: an explicit shutdown tears down vLLM's parallel state in this process, which
+    # the session's in-process engines share (their next request fails); collection stops its processes.
+    del engine
+    gc.collect()
+    print(f"held after {sum(holds)} of {len(holds)} buckets; overwritten {overwritten:.3g}, kept {kept:.3g}")
+    assert holds[0] and not all(holds)
+    assert not overwritten <= tolerance
+    assert kept <= tolerance
+
+
+class _FailingLoad(LocalEngines):
+    """LocalEngines whose `fail_at`-th bucket load raises, as a dead engine would."""
+
+    def __init__(self, engine, fail_at: int) -> None:
+        super().__init__(engine)
+        self.loads_left = fail_at
+
+    def rpc(self, method: str, *args) -> list:
+        if method == "load_bucket_from_file":
+            self.loads_left -= 1
+            if self.loads_left == 0:
+                raise ConnectionError("injected: engine gone mid-sync")
+        return super().rpc(method, *args)
+
+
+def test_shm_files_are_kept_between_syncs_and_replaced_after_a_failure(tiny_model_dir, sync_engine):
+    """Two /dev/shm files carry every bucket of every sync (tmpfs allocates their pages once); a failed
+    sync removes them, and the next sync makes new ones and still brings the engine to the policy."""
+    model_dir, engine = tiny_model_dir("qwen3"), sync_engine("qwen3")
+    policy = lora_policy(model_dir, "qwen3", TARGETS["qwen3"])
+    reference = merged_reference(policy)
+
+    def sync(engines) -> None:
+        sync_weights(policy, engines, SyncState(), dtype=torch.float32, bucket_bytes=SMALL_BUCKET)
+
+    def files() -> list[str]:
+        return sorted(glob.glob(os.path.join(SHM_DIR, f"openrlhf-lora-sync-{os.getpid()}-*.bin")))
+
+    sync(LocalEngines(engine))
+    kept = files()
+    sync(LocalEngines(engine))
+    assert len(kept) == 2 and files() == kept
+    with pytest.raises(ConnectionError, match="injected"):
+        sync(_FailingLoad(engine, fail_at=3))
+    assert files() == []
+    sync(LocalEngines(engine))
+    assert len(files()) == 2 and not set(files()) & set(kept)
+    assert text_diff(engine, reference) <= LOGPROB_TOLERANCE["float32"]

@@ -9,6 +9,7 @@ Does not cover: NCCL (gpu) or TP across Ray actors (OpenRLHF builds those the sa
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -55,7 +56,10 @@ def tp_engine(tiny_model_dir):
         for key, value in saved.items():
             os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
     yield llm
-    llm.llm_engine.engine_core.shutdown()
+    # Dropped, not shut down: an explicit shutdown tears down vLLM's parallel state in this process, which
+    # in-process engines of other test modules share; collection stops the engine's processes.
+    del llm
+    gc.collect()
 
 
 def _policy(model_dir, seed: int):

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from openrlhf_lora_sync.bucket import layout
 from openrlhf_lora_sync.merge import (
     PEFT_PREFIX,
     UnsupportedAdapterError,
@@ -48,7 +49,7 @@ from openrlhf_lora_sync.merge import (
 )
 from openrlhf_lora_sync.plan import SyncState
 from openrlhf_lora_sync.sync import DEFAULT_BUCKET_BYTES, Engines, SyncStats, sync_weights
-from openrlhf_lora_sync.transport import Send, send_via_shm
+from openrlhf_lora_sync.transport import Send, ShmSlots
 
 # model_type -> family name; each is checked against HF's merged model by tests/test_adapter_mode.py.
 SUPPORTED_MODEL_TYPES = {
@@ -251,11 +252,12 @@ def sync_adapter(
     lora_id = state.lora_id + 1
     config = vllm_peft_config(model)
 
-    def install(_method, path, total, metas):  # the shm transport's rpc, pointed at the adapter install
-        return engines.rpc("install_lora_adapter", path, total, metas, lora_id, config)
-
-    nbytes, _ = send_via_shm(install if send else None, named)
+    nbytes = layout(named)[1]
     if send:
+        with ShmSlots(1) as slot:
+            bucket = slot.stage(named)
+            metas = [tuple(meta) for meta in bucket.metas]
+            engines.rpc("install_lora_adapter", bucket.path, bucket.total, metas, lora_id, config)
         engines.reset_caches()
     state.lora_id = lora_id
     return SyncStats(

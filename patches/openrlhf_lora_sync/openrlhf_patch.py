@@ -29,7 +29,7 @@ Settings, read from the environment (the launcher forwards them to every Ray wor
                           adapter with vLLM's LoRA layers; each sync sends only the adapter, and the base
                           after vLLM sleep level 2 (adapter_mode.py)
   LORA_SYNC_LORA_RANK     adapter mode: the trainer's LoRA rank (the launcher sets it from --ds.lora.rank)
-  LORA_SYNC_BUCKET_MB     bucket size, default 512
+  LORA_SYNC_BUCKET_MB     bucket size, default 128 (sync.DEFAULT_BUCKET_BYTES)
   LORA_SYNC_FORCE_FULL    1: every sync is full
   LORA_SYNC_VLLM_SLEEP_LEVEL  1 (OpenRLHF's default) or 2
   LORA_SYNC_PROBE_EVERY   run the post-sync probe (probe.py) after every Nth sync, default 1; 0: never.
@@ -174,7 +174,7 @@ def lora_broadcast_to_vllm(self) -> None:
     from openrlhf_lora_sync import probe
     from openrlhf_lora_sync.adapter_mode import AdapterSyncState, sync_adapter
     from openrlhf_lora_sync.plan import SyncState
-    from openrlhf_lora_sync.sync import sync_weights
+    from openrlhf_lora_sync.sync import DEFAULT_BUCKET_BYTES, sync_weights
 
     adapter_mode = sync_mode() == "adapter"
     state = getattr(self, "_lora_sync_state", None)
@@ -215,7 +215,7 @@ def lora_broadcast_to_vllm(self) -> None:
         state,
         dtype=torch.bfloat16,  # create_vllm_engines hardcodes bf16 engines
         packed_modules=packed,
-        bucket_bytes=_env_int("LORA_SYNC_BUCKET_MB", 512) << 20,
+        bucket_bytes=_env_int("LORA_SYNC_BUCKET_MB", DEFAULT_BUCKET_BYTES >> 20) << 20,
         send=rank == 0,
         transport=transport,
         **mode_kwargs,

@@ -3,11 +3,10 @@
 Covers: the sync loop shared by the OpenRLHF patch, verify_sync.py, the tests and the benchmarks;
 per-sync statistics (mode, tensors, bytes, buckets, seconds, and where the seconds went: merge (gather
 included), pack, transport, engine reload) for logging; /dev/shm buckets pipelined (the engines load
-one while the next is merged: 8% off a full sync of the benchmark model on 2 CPU cores, measured with
-scripts/bench_sync.py's model); marking the engines' weights as unknown when a sync fails midway, so
-the next sync is full and nothing half-applied is reported as success; resetting the engine caches
-that would otherwise keep serving the old policy (prefix cache, multimodal processor cache, encoder
-cache) through the engine's own calls.
+one while the next is merged, through two files kept from sync to sync: transport.ShmSlots); marking
+the engines' weights as unknown when a sync fails midway, so the next sync is full and nothing
+half-applied is reported as success; resetting the engine caches that would otherwise keep serving
+the old policy (prefix cache, multimodal processor cache, encoder cache) through the engine's own calls.
 Does not cover: how engines are reached (an `Engines` object supplies rpc and cache resets: in-process
 vLLM `LLM`s here, OpenRLHF's Ray engine actors in openrlhf_patch.py).
 """
@@ -28,17 +27,12 @@ from torch import nn
 from openrlhf_lora_sync.bucket import split_groups
 from openrlhf_lora_sync.merge import SyncUnit, iter_effective_checkpoint_tensors, sync_units
 from openrlhf_lora_sync.plan import DEFAULT_PACKED_MODULES, SyncState
-from openrlhf_lora_sync.transport import (
-    TRANSPORTS,
-    Send,
-    ShmBucket,
-    load_shm_bucket,
-    remove_shm_bucket,
-    send_via_shm,
-    stage_shm_bucket,
-)
+from openrlhf_lora_sync.transport import TRANSPORTS, Send, kept_shm_slots, send_via_shm
 
-DEFAULT_BUCKET_BYTES = 512 << 20
+# Small enough for the /dev/shm pipeline to overlap the trainer's merge with the engines' reload: a full
+# sync of bench_sync.py's model (611 MiB) took 0.94 s in 128 MiB buckets, 1.32 s in 512 MiB ones (2 CPU
+# cores). Each also bounds the merged tensors held at once, and the two kept /dev/shm files.
+DEFAULT_BUCKET_BYTES = 128 << 20
 
 
 class Engines(Protocol):
@@ -140,15 +134,10 @@ def _groups_by_parent(
         yield [pair for _, tensors in group for pair in tensors.items()]
 
 
-def _wait_for(loading: Future | None, staged: ShmBucket | None = None) -> None:
-    """Wait for the previous bucket's load, raising its error (and removing `staged`'s file then)."""
-    try:
-        if loading is not None:
-            loading.result()
-    except BaseException:
-        if staged is not None:
-            remove_shm_bucket(staged)
-        raise
+def _wait_for(loading: Future | None) -> None:
+    """Wait for the previous bucket's load, raising its error."""
+    if loading is not None:
+        loading.result()
 
 
 def sync_weights(
@@ -180,8 +169,9 @@ def sync_weights(
     # /dev/shm buckets are pipelined: the engines load bucket k (in a thread) while this thread merges and
     # packs bucket k+1. Only the shm sender qualifies: the others make collective calls, which must not
     # interleave with the gathers of the next bucket. Trainer memory still holds one bucket of merged
-    # tensors (a staged bucket lives in its file); /dev/shm holds up to two.
+    # tensors (a staged bucket lives in its file); /dev/shm holds two, kept for the next sync.
     pipelined = send and send_bucket is send_via_shm
+    slots = kept_shm_slots() if pipelined else None
     loading: Future | None = None  # the engines' load of the previous staged bucket
     start = time.perf_counter()
     plan = state.next_plan(sync_units(model), packed_modules or DEFAULT_PACKED_MODULES, force_full)
@@ -195,11 +185,11 @@ def sync_weights(
             for bucket in split_groups(merged_groups, bucket_bytes):
                 send_start, rpc_before = time.perf_counter(), stages["rpc"]
                 if pipelined:
-                    staged = stage_shm_bucket(bucket)
+                    staged = slots.stage(bucket)  # the slot the load in flight does not use
                     nbytes = staged.total
                     stages["pack"] += time.perf_counter() - send_start
-                    _wait_for(loading, staged)
-                    loading = loader.submit(load_shm_bucket, rpc, staged)
+                    _wait_for(loading)
+                    loading = loader.submit(slots.load, rpc, staged)
                 else:
                     nbytes, _ = send_bucket(rpc if send else None, bucket)
                     # What the sender spent outside engine RPCs: packing (and, for broadcast, the collective).
@@ -214,6 +204,8 @@ def sync_weights(
             reload_seconds = max(report["load_seconds"] for report in reports)
     except BaseException:
         state.weights_lost("the previous sync failed midway")  # (leaving the pool waited for any load)
+        if slots is not None:
+            slots.close()  # an engine that failed mid-load may still map them: the next sync makes new ones
         if send:
             with contextlib.suppress(Exception):  # close the engine's reload session; its weights are unknown
                 engines.rpc("finish_weight_sync", False)

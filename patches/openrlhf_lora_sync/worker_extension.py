@@ -113,10 +113,33 @@ class LoraSyncWorkerExtension(WorkerWrap):
         self._lora_sync_load_seconds += time.perf_counter() - start
         return len(named)
 
-    def load_bucket_from_file(self, path: str, total: int, metas: list[TensorMeta]) -> int:
+    def load_bucket_from_file(self, path: str, total: int, metas: list[TensorMeta]) -> dict:
+        """Load a /dev/shm bucket; `holds_file` says whether vLLM still buffers views into the file
+        afterwards (layers it processes only at finalize), so the sender must not overwrite it."""
         from openrlhf_lora_sync.transport import read_shm_bucket
 
-        return self._load(unpack(read_shm_bucket(path, total), metas))
+        buffer = read_shm_bucket(path, total)
+        count = self._load(unpack(buffer, metas))
+        return {"tensors": count, "holds_file": self._reload_buffers_storage(buffer)}
+
+    def _reload_buffers_storage(self, buffer: torch.Tensor) -> bool:
+        """Whether a tensor vLLM's layerwise reload buffers for a layer not processed yet lives in `buffer`.
+        (An unknown shape of vLLM's buffering counts as yes: overwriting a held view corrupts silently.)"""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        storage = buffer.untyped_storage().data_ptr()
+        for layer in self.model_runner.get_model().modules():
+            pending = get_layerwise_info(layer).loaded_weights
+            for _, bound in pending:
+                arguments = getattr(bound, "arguments", None)
+                if arguments is None:
+                    return True
+                if any(
+                    isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == storage
+                    for value in arguments.values()
+                ):
+                    return True
+        return False
 
     def load_bucket_cuda_ipc(self, handles: dict, metas: list[TensorMeta]) -> int:
         from openrlhf.trainer.ray.utils import get_physical_gpu_id
@@ -163,7 +186,11 @@ class LoraSyncWorkerExtension(WorkerWrap):
             # legitimately: vLLM pads e.g. vocabularies, and processes those at finalize.)
             if info.load_numel > 0 and isinstance(layer, (MergedColumnParallelLinear, QKVParallelLinear)):
                 partial.append(f"{name} ({info.load_numel}/{info.load_numel_total} elements)")
-            elif expect_every_layer and any(True for _ in layer.parameters(recurse=False)):
+            elif (
+                expect_every_layer
+                and info.load_numel == 0
+                and any(True for _ in layer.parameters(recurse=False))
+            ):
                 missing.append(name)
         finalize_layerwise_reload(model, self.model_config)
         self._lora_sync_open = False
