@@ -983,7 +983,19 @@ def settings_from_flags(flags: dict, gpu_mem_gib: float = 24.0) -> Settings:
 # tune get the largest gpu_memory_utilization at which they fit (they keep theirs when none does).
 # The user's flags (TP4, ZeRO-3 x4, LoRA r64, colocate_all, both sleeps) and OpenRLHF's defaults for the
 # rest: LoRA on all-linear (vision tower included), KL reference on GPU, util 0.95, no checkpointing.
-USER_27B = Settings()
+USER_27B_FLAGS = {
+    "actor.model_name_or_path": "Qwen/Qwen3.5-27B",
+    "actor.num_gpus_per_node": 4,
+    "vllm.num_engines": 1,
+    "vllm.tensor_parallel_size": 4,
+    "train.colocate_all": True,
+    "vllm.enable_sleep": True,
+    "ds.enable_sleep": True,
+    "ds.lora.rank": 64,
+    "ds.zero_stage": 3,
+    "algo.advantage.estimator": "group_norm",
+}
+USER_27B = Settings()  # what USER_27B_FLAGS map to (tests/test_memory_budget.py checks)
 LANGUAGE_ONLY_LORA = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 LEAN = replace(
     USER_27B,

@@ -84,3 +84,60 @@ def training_step():
         optimizer.zero_grad()
 
     return step
+
+
+def _start_rollout_actor(model_dir: str):
+    """OpenRLHF's own engine actor (patched; in adapter mode when LORA_SYNC_MODE says so) on `model_dir`,
+    as create_vllm_engines builds it: bf16 (create_vllm_engines hardcodes it), upstream's worker class
+    (the patch swaps in its own). Ray must be up with the launcher's runtime env."""
+    from openrlhf.trainer.ray import vllm_engine
+    from openrlhf_lora_sync import openrlhf_patch
+
+    openrlhf_patch.apply()
+    return vllm_engine.RolloutRayActor.options(num_cpus=1, num_gpus=0).remote(
+        model=str(model_dir),
+        dtype="bfloat16",
+        seed=0,
+        enforce_eager=True,
+        max_model_len=512,
+        kv_cache_memory_bytes=64 << 20,
+        distributed_executor_backend="uni",
+        worker_extension_cls="openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap",
+        num_gpus=0,
+    )
+
+
+def _stand_in_trainer(policy, engine, colocated: bool):
+    """What the patched ActorPPOTrainer.broadcast_to_vllm reads from its trainer, around `policy`."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        train=SimpleNamespace(colocate_all=colocated), vllm=SimpleNamespace(tensor_parallel_size=1)
+    )
+    return SimpleNamespace(
+        actor=SimpleNamespace(model=SimpleNamespace(module=policy)),
+        strategy=SimpleNamespace(args=args),
+        vllm_engines=[engine],
+    )
+
+
+def _actor_logprob_diff(engine, token_ids: list[int], expected: torch.Tensor) -> float:
+    """Max |prompt logprob - expected| through the actor's own generate (what rollouts call)."""
+    import ray
+    from openrlhf_lora_sync.logprob_check import max_abs_diff
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+    output = ray.get(engine.generate.remote(token_ids, params))
+    got = torch.tensor([e[t].logprob for e, t in zip(output.prompt_logprobs[1:], token_ids[1:], strict=True)])
+    return max_abs_diff(got, expected)
+
+
+@pytest.fixture(scope="session")
+def rollout_actor():
+    """Helpers for tests driving OpenRLHF's engine actor through the patched broadcast_to_vllm:
+    start(model_dir) -> the actor; trainer(policy, engine, colocated) -> a stand-in trainer;
+    diff(engine, token_ids, expected) -> the actor's max |prompt logprob - expected|."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(start=_start_rollout_actor, trainer=_stand_in_trainer, diff=_actor_logprob_diff)

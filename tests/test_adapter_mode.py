@@ -11,7 +11,8 @@ older vLLM releases); the engine's refusal of adapter modules it has no LoRA lay
 tower); the start-time refusals (and verify_sync's exit 2 on one); rank rounding to vLLM's accepted
 max_lora_rank values; the LORA_SYNC_MODE and LORA_SYNC_LORA_RANK settings; and OpenRLHF's engine actor
 patched for adapter mode (LoRA enabled at start, every generate carrying the installed adapter) through
-the patched broadcast_to_vllm.
+the patched broadcast_to_vllm, over /dev/shm and (not colocated) over the broadcast group; the post-sync
+probe through in-process engines, with the adapter's request and (negative control) without.
 Does not cover: GPU LoRA kernels, sleep mode itself (refused on CPU), ZeRO-3 (lora_tensors gathers with
 merge.py's per-parameter gather, which tests/test_zero3_sync.py covers).
 """
@@ -22,11 +23,10 @@ import copy
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from openrlhf_lora_sync import adapter_mode
+from openrlhf_lora_sync import adapter_mode, probe
 from openrlhf_lora_sync.adapter_mode import AdapterSyncState, lora_request_for, sync_adapter
 from openrlhf_lora_sync.bucket import ALIGNMENT
 from openrlhf_lora_sync.logprob_check import (
@@ -127,6 +127,10 @@ def test_steady_state_sends_the_adapter_alone_and_follows_training(
     assert second.mode == "adapter" and engines.calls == ["install_lora_adapter", "reset_caches"]
     assert llm.collective_rpc("lora_adapter_ids") == [[state.lora_id]] and state.lora_id == 2
     assert engine_diff(llm, policy, state.lora_request()) <= tolerance, f"stale diff was {stale:.3g}"
+    # The post-sync probe through in-process engines asks with the adapter; without it, it sees the base.
+    dtype_name = FAMILIES[family].dtype
+    assert probe.run_probe(policy, engines, dtype_name, lora_request=state.lora_request()).ok
+    assert not probe.run_probe(policy, engines, dtype_name).ok
 
 
 def test_level2_wake_resends_the_base_then_the_adapter(tiny_model_dir, adapter_engine):
@@ -263,49 +267,24 @@ def adapter_mode_ray(tiny_model_dir):
         ray.shutdown()
 
 
-def test_patched_openrlhf_engine_actor_serves_the_adapter(adapter_mode_ray, tiny_model_dir):
+def test_patched_openrlhf_engine_actor_serves_the_adapter(
+    adapter_mode_ray, tiny_model_dir, training_step, rollout_actor
+):
     """OpenRLHF's own engine actor (AsyncLLM, V1 multiprocessing) patched for adapter mode, and the patched
     broadcast_to_vllm: LoRA is enabled at start, the adapter crosses the engine-core process boundary, and
-    the actor's own generate (what rollouts and the post-sync probe call) carries the adapter."""
-    from openrlhf.trainer.ray import ppo_actor, vllm_engine
-    from openrlhf_lora_sync import openrlhf_patch
-    from vllm import SamplingParams
+    the actor's own generate (what rollouts and the post-sync probe call) carries the adapter; then, not
+    colocated, the adapter goes over the broadcast group instead of /dev/shm."""
+    from openrlhf.trainer.ray import ppo_actor
 
-    ray = adapter_mode_ray
-    openrlhf_patch.apply()
-    model_dir = str(tiny_model_dir("qwen2_5_vl"))
-    engine = vllm_engine.RolloutRayActor.options(num_cpus=1, num_gpus=0).remote(
-        model=model_dir,
-        dtype="bfloat16",
-        seed=0,
-        enforce_eager=True,
-        max_model_len=512,
-        kv_cache_memory_bytes=64 << 20,
-        distributed_executor_backend="uni",
-        worker_extension_cls="openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap",
-        num_gpus=0,
-    )
-    policy = lora_policy("qwen2_5_vl", model_dir)
-    policy = policy.to(torch.bfloat16)
-    reference = copy.deepcopy(policy).merge_and_unload().eval()
-    expected = hf_prompt_logprobs(reference, TOKENS)
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+    model_dir = tiny_model_dir("qwen2_5_vl")
+    engine = rollout_actor.start(model_dir)
+    policy = lora_policy("qwen2_5_vl", model_dir).to(torch.bfloat16)
 
     def diff() -> float:
-        output = ray.get(engine.generate.remote(TOKENS, params))
-        got = torch.tensor(
-            [e[t].logprob for e, t in zip(output.prompt_logprobs[1:], TOKENS[1:], strict=True)]
-        )
-        return max_abs_diff(got, expected)
+        expected = hf_prompt_logprobs(copy.deepcopy(policy).merge_and_unload().eval(), TOKENS)
+        return rollout_actor.diff(engine, TOKENS, expected)
 
-    args = SimpleNamespace(
-        train=SimpleNamespace(colocate_all=True), vllm=SimpleNamespace(tensor_parallel_size=1)
-    )
-    trainer = SimpleNamespace(
-        actor=SimpleNamespace(model=SimpleNamespace(module=policy)),
-        strategy=SimpleNamespace(args=args),
-        vllm_engines=[engine],
-    )
+    trainer = rollout_actor.trainer(policy, engine, colocated=True)
     before = diff()
     ppo_actor.ActorPPOTrainer.broadcast_to_vllm(trainer)  # runs the post-sync probe through the actor too
     stats = trainer._lora_sync_last_stats
@@ -315,6 +294,13 @@ def test_patched_openrlhf_engine_actor_serves_the_adapter(adapter_mode_ray, tiny
     ppo_actor.ActorPPOTrainer.broadcast_to_vllm(trainer)
     assert trainer._lora_sync_last_stats.mode == "adapter" and trainer._lora_sync_state.lora_id == 2
     assert diff() <= tolerance
+    # Engines not colocated (on other nodes, say) get the adapter over the broadcast group (gloo here).
+    training_step(policy)
+    stale = diff()
+    trainer.strategy.args.train.colocate_all = False
+    ppo_actor.ActorPPOTrainer.broadcast_to_vllm(trainer)
+    assert trainer._lora_sync_broadcast.group is not None and trainer._lora_sync_state.lora_id == 3
+    assert stale > 10 * tolerance and diff() <= tolerance, f"stale {stale:.3g}"
 
 
 def test_mode_and_rank_settings_are_checked(monkeypatch):

@@ -161,6 +161,40 @@ def test_launcher_refuses_before_starting_ray(context, capsys):
     assert not ray.is_initialized()
 
 
+def test_launcher_removes_the_runs_shm_files_however_training_ends(context, monkeypatch):
+    """Actors Ray ends may leave their kept /dev/shm bucket files; the launcher removes its run's (and
+    only its run's) once train_ppo_ray is done, here by raising."""
+    import os
+    import signal
+
+    import torch
+    from openrlhf_lora_sync import transport
+
+    monkeypatch.setenv(transport.RUN_ID_ENV, "test-run-cleanup")
+    monkeypatch.setenv("LORA_SYNC_LORA_RANK", "0")  # the launcher sets it; restored after the test
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # keep pytest's own SIGTERM handling
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    other_run = os.path.join(transport.SHM_DIR, f"{transport.SHM_FILE_PREFIX}other-run-1-x.bin")
+    open(other_run, "wb").close()
+    left = []
+
+    def train_ppo_ray_that_dies(*args, **kwargs):
+        slots = transport.ShmSlots(2)  # an actor's slots, never closed
+        for _ in range(2):
+            left.append(slots.stage([("w", torch.ones(4))]).path)
+        raise RuntimeError("injected: training died")
+
+    monkeypatch.setattr(launch.runpy, "run_module", train_ppo_ray_that_dies)
+    argv = ["--actor.model_name_or_path", str(context["model"]), "--ds.lora.rank", "8"]
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            launch.main([*argv, "--ds.lora.target_modules", "q_proj", "v_proj"])
+        assert len(left) == 2 and not any(os.path.exists(path) for path in left)
+        assert os.path.exists(other_run)
+    finally:
+        os.unlink(other_run)
+
+
 def test_flags_from_argv_reads_lists_switches_and_values():
     argv = ["--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj", "v_proj", "--train.colocate_all"]
     assert config_checks.flags_from_argv([*argv, "--x=1"]) == {

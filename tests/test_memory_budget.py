@@ -307,18 +307,7 @@ def test_openrlhf_defaults_are_those_of_its_parser():
 
 
 def test_the_users_flags_map_to_the_users_setting():
-    flags = {
-        "actor.num_gpus_per_node": 4,
-        "vllm.num_engines": 1,
-        "vllm.tensor_parallel_size": 4,
-        "train.colocate_all": True,
-        "vllm.enable_sleep": True,
-        "ds.enable_sleep": True,
-        "ds.lora.rank": 64,
-        "ds.zero_stage": 3,
-        "algo.advantage.estimator": "group_norm",
-    }
-    assert mb.settings_from_flags(flags) == mb.USER_27B
+    assert mb.settings_from_flags(mb.USER_27B_FLAGS) == mb.USER_27B
 
 
 @pytest.mark.parametrize(

@@ -1,12 +1,15 @@
-"""Contract with the installed OpenRLHF: the symbols the sync patch replaces or calls, as 0.11.2 has them.
+"""Contract with the installed OpenRLHF: the symbols the sync patch replaces or calls, as 0.11.2 has them;
+and with the installed vLLM: the internals the worker extension reaches past vLLM's public API for
+(layerwise reload bookkeeping, the LoRA manager, the stateless process group), as 0.29.0 has them.
 
-An OpenRLHF upgrade that renames, moves or re-signs one of these fails here, before the patch breaks
-inside a Ray actor. When this fails, re-read the new upstream code and update the patch with it.
+An upgrade that renames, moves or re-signs one of these fails here, before the patch breaks inside a
+Ray actor or an engine process. When this fails, re-read the new upstream code and update the patch.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import inspect
 from importlib.metadata import version
@@ -97,3 +100,46 @@ def test_train_ppo_ray_builds_its_parser_under_main():
     assert main_blocks, "train_ppo_ray no longer has an `if __name__ == '__main__'` block"
     body = ast.unparse(main_blocks[0])
     assert "argparse.ArgumentParser()" in body and "train(args)" in body
+
+
+# vLLM internals -> the parameter names worker_extension.py / transport.py pass to them.
+VLLM_PARAMETERS_USED = {
+    "vllm.lora.lora_model:LoRAModel.from_lora_tensors": [
+        "lora_model_id",
+        "tensors",
+        "peft_helper",
+        "device",
+        "dtype",
+        "model_vocab_size",
+        "weights_mapper",
+        "skip_prefixes",
+    ],
+    "vllm.lora.peft_helper:PEFTHelper.validate_legal": ["lora_config"],
+    "vllm.distributed.utils:stateless_init_torch_distributed_process_group": [
+        "host",
+        "port",
+        "rank",
+        "world_size",
+        "backend",
+    ],
+    "vllm.model_executor.model_loader.reload:initialize_layerwise_reload": ["model"],
+    "vllm.model_executor.model_loader.reload:finalize_layerwise_reload": [],
+}
+
+
+@pytest.mark.parametrize("path", sorted(VLLM_PARAMETERS_USED))
+def test_vllm_internal_takes_what_the_worker_passes(path):
+    parameters = inspect.signature(_resolve(path)).parameters
+    assert set(VLLM_PARAMETERS_USED[path]) <= set(parameters)
+
+
+def test_vllm_reload_and_lora_manager_internals():
+    # ShmSlots reuse is safe only if every tensor the layerwise reload keeps is in `loaded_weights`
+    # (worker_extension._reload_buffers_storage), and finish_weight_sync reads the load counters.
+    info = _resolve("vllm.model_executor.model_loader.reload.types:LayerReloadingInfo")
+    info_fields = {field.name for field in dataclasses.fields(info)}
+    assert {"loaded_weights", "load_numel", "load_numel_total"} <= info_fields
+    assert callable(_resolve("vllm.model_executor.model_loader.reload.layerwise:get_layerwise_info"))
+    # install_lora_adapter registers the in-memory adapter in the worker manager's _adapter_manager.
+    source = inspect.getsource(_resolve("vllm.lora.worker_manager:LRUCacheWorkerLoRAManager"))
+    assert "self._adapter_manager = " in source

@@ -18,7 +18,7 @@ import torch
 from openrlhf.trainer.ray import ppo_actor, vllm_engine
 from openrlhf_lora_sync import openrlhf_patch
 from openrlhf_lora_sync.launch import ray_runtime_env
-from openrlhf_lora_sync.logprob_check import LOGPROB_TOLERANCE, hf_prompt_logprobs, max_abs_diff
+from openrlhf_lora_sync.logprob_check import LOGPROB_TOLERANCE, hf_prompt_logprobs
 from openrlhf_lora_sync.tiny_models import BYTE_VOCAB_SIZE
 
 
@@ -83,35 +83,22 @@ def test_patch_reaches_ray_tasks_actors_and_nested_tasks(ray_cluster):
 
 
 @pytest.fixture(scope="module")
-def engine_actor(ray_cluster, tiny_model_dir):
+def engine_actor(ray_cluster, tiny_model_dir, rollout_actor):
     """OpenRLHF's own engine actor (patched), on the tiny Qwen2.5-VL, as create_vllm_engines builds it."""
-    openrlhf_patch.apply()
-    # OpenRLHF's engines are bf16 (create_vllm_engines hardcodes it); its policy is bf16 with fp32 adapters.
-    engine = vllm_engine.RolloutRayActor.options(num_cpus=1, num_gpus=0).remote(
-        model=str(tiny_model_dir("qwen2_5_vl")),
-        dtype="bfloat16",
-        seed=0,
-        enforce_eager=True,
-        max_model_len=512,
-        kv_cache_memory_bytes=64 << 20,
-        distributed_executor_backend="uni",
-        worker_extension_cls="openrlhf.trainer.ray.vllm_worker_wrap.WorkerWrap",  # what upstream passes
-        num_gpus=0,
-    )
+    engine = rollout_actor.start(tiny_model_dir("qwen2_5_vl"))
     assert ray_cluster.get(engine.lora_sync_rpc.remote("packed_modules_mapping"))[0]  # our extension loaded
     return engine
 
 
-def _trainer_and_check(engine, model_dir, colocated: bool, seed: int):
+def _trainer_and_check(rollout_actor, engine, model_dir, colocated: bool, seed: int):
     """A trainer carrying what the patched broadcast_to_vllm reads, and a function giving the engine's max
     |logprob diff| from that trainer's HF-merged policy."""
     import copy
 
-    import ray
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
-    from vllm import SamplingParams
 
+    # OpenRLHF's policy is bf16 with fp32 adapters.
     base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16)
     torch.manual_seed(seed)
     lora = LoraConfig(
@@ -124,24 +111,8 @@ def _trainer_and_check(engine, model_dir, colocated: bool, seed: int):
     reference = copy.deepcopy(policy).merge_and_unload().eval()
     token_ids = torch.randint(0, BYTE_VOCAB_SIZE, (32,), generator=torch.Generator().manual_seed(1)).tolist()
     expected = hf_prompt_logprobs(reference, token_ids)
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
-
-    def engine_diff() -> float:
-        output = ray.get(engine.generate.remote(token_ids, params))
-        got = torch.tensor(
-            [e[t].logprob for e, t in zip(output.prompt_logprobs[1:], token_ids[1:], strict=True)]
-        )
-        return max_abs_diff(got, expected)
-
-    args = SimpleNamespace(
-        train=SimpleNamespace(colocate_all=colocated), vllm=SimpleNamespace(tensor_parallel_size=1)
-    )
-    trainer = SimpleNamespace(
-        actor=SimpleNamespace(model=SimpleNamespace(module=policy)),
-        strategy=SimpleNamespace(args=args),
-        vllm_engines=[engine],
-    )
-    return trainer, engine_diff
+    trainer = rollout_actor.trainer(policy, engine, colocated)
+    return trainer, lambda: rollout_actor.diff(engine, token_ids, expected)
 
 
 @pytest.mark.parametrize(
@@ -152,13 +123,13 @@ def _trainer_and_check(engine, model_dir, colocated: bool, seed: int):
     ],
 )
 def test_patched_broadcast_to_vllm_syncs_a_real_engine_actor(
-    colocated, transport, engine_actor, tiny_model_dir
+    colocated, transport, engine_actor, tiny_model_dir, rollout_actor
 ):
     from openrlhf_lora_sync.transport import BroadcastTransport
 
     # A different seed per case: the engine holds the previous case's policy, which must not match this one.
     trainer, engine_diff = _trainer_and_check(
-        engine_actor, str(tiny_model_dir("qwen2_5_vl")), colocated, seed=colocated
+        rollout_actor, engine_actor, str(tiny_model_dir("qwen2_5_vl")), colocated, seed=colocated
     )
     before = engine_diff()
     ppo_actor.ActorPPOTrainer.broadcast_to_vllm(

@@ -22,17 +22,7 @@ from scripts import memory_budget, preflight
 ROOT = Path(__file__).resolve().parent.parent
 RTX_4090 = preflight.GpuInfo("NVIDIA GeForce RTX 4090", 23.99)
 H100 = preflight.GpuInfo("NVIDIA H100 80GB HBM3", 79.1)
-USER_27B_FLAGS = {
-    "actor.model_name_or_path": "Qwen/Qwen3.5-27B",
-    "actor.num_gpus_per_node": 4,
-    "vllm.num_engines": 1,
-    "vllm.tensor_parallel_size": 4,
-    "train.colocate_all": True,
-    "vllm.enable_sleep": True,
-    "ds.enable_sleep": True,
-    "ds.lora.rank": 64,
-    "ds.zero_stage": 3,
-}
+USER_27B_FLAGS = memory_budget.USER_27B_FLAGS
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,7 @@ from openrlhf_lora_sync.merge import (
 from openrlhf_lora_sync.plan import SyncState
 from openrlhf_lora_sync.sync import LocalEngines, sync_weights
 from openrlhf_lora_sync.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
-from openrlhf_lora_sync.transport import SHM_DIR
+from openrlhf_lora_sync.transport import SHM_DIR, SHM_FILE_PREFIX
 from openrlhf_lora_sync.worker_extension import WeightSyncError
 from peft import LoraConfig, get_peft_model
 from PIL import Image, ImageDraw
@@ -100,17 +100,6 @@ def image_diff(engine, reference, model_dir) -> float:
     return max_abs_diff(vllm_prompt_logprobs(engine, collapsed, image=image), reference_logprobs)
 
 
-def training_step(policy, seed: int = 1) -> None:
-    """One SGD step on the adapters, so a later delta sync has something new to send."""
-    adapters = [p for n, p in policy.named_parameters() if "lora_" in n]
-    optimizer = torch.optim.SGD(adapters, lr=0.5)
-    input_ids = torch.tensor([_token_ids(seed)])
-    loss = policy(input_ids=input_ids, labels=input_ids).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_full_sync_matches_merged_reference(family, tiny_model_dir, sync_engine):
     model_dir, spec = tiny_model_dir(family), FAMILIES[family]
@@ -142,7 +131,7 @@ def test_fp32_adapters_into_bf16_engine(tiny_model_dir, sync_engine):
     assert text_diff(engine, merged_reference(policy)) <= LOGPROB_TOLERANCE["bfloat16"]
 
 
-def test_delta_sync_sends_fused_qkv_groups_and_tracks_training(tiny_model_dir, sync_engine):
+def test_delta_sync_sends_fused_qkv_groups_and_tracks_training(tiny_model_dir, sync_engine, training_step):
     model_dir = tiny_model_dir("qwen2_5_vl")
     engine, tolerance = sync_engine("qwen2_5_vl"), LOGPROB_TOLERANCE["float32"]
     engines = LocalEngines(engine)
@@ -383,7 +372,7 @@ def test_shm_files_are_kept_between_syncs_and_replaced_after_a_failure(tiny_mode
         sync_weights(policy, engines, SyncState(), dtype=torch.float32, bucket_bytes=SMALL_BUCKET)
 
     def files() -> list[str]:
-        return sorted(glob.glob(os.path.join(SHM_DIR, f"openrlhf-lora-sync-{os.getpid()}-*.bin")))
+        return sorted(glob.glob(os.path.join(SHM_DIR, f"{SHM_FILE_PREFIX}*-{os.getpid()}-*.bin")))
 
     sync(LocalEngines(engine))
     kept = files()

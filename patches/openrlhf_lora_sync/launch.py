@@ -8,7 +8,8 @@ starts, exit status 2; starting Ray (or joining
 the cluster named by RAY_ADDRESS) with `apply` as the worker-process setup hook, so every Ray actor
 and task (nested ones too) is patched, and with this repo's settings (LORA_SYNC_*, REWARD_*, WANDB_*)
 forwarded to them; then running the upstream CLI module as __main__, so its flags, defaults and
-validation are OpenRLHF's own.
+validation are OpenRLHF's own; when it ends (returns, raises, or the launcher gets SIGTERM, as from
+`docker compose down`), removing this run's /dev/shm bucket files, which actors Ray ends may leave.
 Does not cover: rendering recipes into flags (scripts/run_grpo_lora.sh) or preflight checks.
 """
 
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
+import uuid
 
 SETUP_HOOK = "openrlhf_lora_sync.openrlhf_patch.apply"
 FORWARDED_PREFIXES = ("LORA_SYNC_", "REWARD_", "WANDB_", "HF_", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_")
@@ -50,10 +53,18 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
+    from openrlhf_lora_sync.transport import RUN_ID_ENV, remove_run_files
+
+    os.environ.setdefault(RUN_ID_ENV, uuid.uuid4().hex[:12])  # forwarded to every actor (LORA_SYNC_ prefix)
+    # SIGTERM's default action skips `finally`; as SystemExit it unwinds through the cleanup below.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if not ray.is_initialized():
         ray.init(address=os.environ.get("RAY_ADDRESS"), runtime_env=ray_runtime_env())
     sys.argv = ["openrlhf.cli.train_ppo_ray", *argv]
-    runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+    finally:
+        remove_run_files(os.environ[RUN_ID_ENV])
     return 0
 
 

@@ -249,6 +249,7 @@ def _probe_after_sync(trainer, engines, stats, rank: int, distributed: bool) -> 
     import torch
 
     from openrlhf_lora_sync import probe
+    from openrlhf_lora_sync.adapter_mode import AdapterSyncState
 
     model = trainer.actor.model.module
     start = time.perf_counter()
@@ -261,7 +262,9 @@ def _probe_after_sync(trainer, engines, stats, rank: int, distributed: bool) -> 
 
         if getattr(getattr(trainer.strategy.args, "vllm", None), "enable_sleep", False):
             ray.get([actor.wake_up.remote(tags=["kv_cache"]) for actor in engines.actors])
-        engine = probe.engine_prompt_logprobs(engines, token_ids)
+        state = trainer._lora_sync_state
+        lora_request = state.lora_request() if isinstance(state, AdapterSyncState) else None
+        engine = probe.engine_prompt_logprobs(engines, token_ids, lora_request)
         threshold = float(os.environ.get("LORA_SYNC_PROBE_THRESHOLD") or probe.PROBE_THRESHOLD["bfloat16"])
         shared[0] = probe.compare(policy, engine, threshold, time.perf_counter() - start)
     if distributed:
@@ -338,7 +341,7 @@ def _lora_engine_actor(upstream_actor):
 
         async def lora_sync_rpc(self, method: str, *args):
             results = await self.llm.collective_rpc(method, args=args)
-            if method == "install_lora_adapter":
+            if method in ("install_lora_adapter", "install_lora_adapter_broadcast"):
                 from openrlhf_lora_sync.adapter_mode import lora_request_for
 
                 self.lora_request = lora_request_for(results[0]["lora_id"])

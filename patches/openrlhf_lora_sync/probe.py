@@ -90,13 +90,14 @@ def policy_prompt_logprobs(model, token_ids: Sequence[int]) -> torch.Tensor:
         model.train(was_training)
 
 
-def engine_prompt_logprobs(engines, token_ids: Sequence[int]) -> list[torch.Tensor]:
-    """One logprob vector per engine: sync.LocalEngines (in-process `LLM`s) or openrlhf_patch.RayEngines
-    (OpenRLHF's engine actors; TP workers of one engine answer as one engine)."""
+def engine_prompt_logprobs(engines, token_ids: Sequence[int], lora_request=None) -> list[torch.Tensor]:
+    """One logprob vector per engine: sync.LocalEngines (in-process `LLM`s; in adapter mode, pass the
+    installed adapter's `lora_request`) or openrlhf_patch.RayEngines (OpenRLHF's engine actors, which in
+    adapter mode attach their installed adapter themselves; TP workers of one engine answer as one)."""
     if hasattr(engines, "llms"):
         from openrlhf_lora_sync.logprob_check import vllm_prompt_logprobs
 
-        return [vllm_prompt_logprobs(llm, token_ids) for llm in engines.llms]
+        return [vllm_prompt_logprobs(llm, token_ids, lora_request=lora_request) for llm in engines.llms]
     import ray
     from vllm import SamplingParams
 
@@ -122,12 +123,12 @@ def compare(
     )
 
 
-def run_probe(model, engines, dtype: str, threshold: float | None = None) -> ProbeResult:
+def run_probe(model, engines, dtype: str, threshold: float | None = None, lora_request=None) -> ProbeResult:
     """Single-process form (rank 0 holds the whole policy): policy and engines on the probe, compared."""
     start = time.perf_counter()
     token_ids = probe_token_ids(policy_vocab_size(model))
     policy = policy_prompt_logprobs(model, token_ids)
-    engine = engine_prompt_logprobs(engines, token_ids)
+    engine = engine_prompt_logprobs(engines, token_ids, lora_request)
     limit = PROBE_THRESHOLD[dtype] if threshold is None else threshold
     return compare(policy, engine, limit, time.perf_counter() - start)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import glob
 import os
 import socket
 import tempfile
@@ -35,6 +36,10 @@ import torch
 from openrlhf_lora_sync.bucket import TensorMeta, layout, pack_into
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+# Bucket files are named openrlhf-lora-sync-<run>-<pid>-<random>.bin; the launcher sets the run id (and
+# Ray forwards it to every actor) and removes the run's files when training ends, however it ends.
+SHM_FILE_PREFIX = "openrlhf-lora-sync-"
+RUN_ID_ENV = "LORA_SYNC_RUN_ID"
 
 # rpc(method_name, *args) -> list of per-engine results; supplied by the caller (in-process LLMs, Ray actors).
 Rpc = Callable[..., list]
@@ -68,7 +73,8 @@ class ShmSlots:
 
     @staticmethod
     def _new_path() -> str:
-        return os.path.join(SHM_DIR, f"openrlhf-lora-sync-{os.getpid()}-{uuid.uuid4().hex}.bin")
+        run = os.environ.get(RUN_ID_ENV, "norun")
+        return os.path.join(SHM_DIR, f"{SHM_FILE_PREFIX}{run}-{os.getpid()}-{uuid.uuid4().hex}.bin")
 
     def stage(self, named: list[tuple[str, torch.Tensor]]) -> ShmBucket:
         """Pack the bucket into the next slot (the caller has waited for that slot's previous load)."""
@@ -118,9 +124,18 @@ def _kept_shm_slots(pid: int) -> ShmSlots:
 def kept_shm_slots() -> ShmSlots:
     """This process's two pipelining slots, kept from sync to sync, so that only the first sync pays for
     their pages; /dev/shm holds them (up to two buckets) until the process exits, or until a sync fails and
-    closes them (the next one makes new files). A process killed outright leaves its files behind:
-    openrlhf-lora-sync-<pid>-*.bin under /dev/shm."""
+    closes them (the next one makes new files). Ray may end actors without running exit handlers: the
+    launcher's remove_run_files catches what they leave."""
     return _kept_shm_slots(os.getpid())  # per pid: a forked child must not write its parent's files
+
+
+def remove_run_files(run_id: str) -> int:
+    """Remove the bucket files of run `run_id` under /dev/shm on this node; how many there were."""
+    paths = glob.glob(os.path.join(SHM_DIR, f"{SHM_FILE_PREFIX}{glob.escape(run_id)}-*.bin"))
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return len(paths)
 
 
 def send_via_shm(rpc: Rpc | None, named: list[tuple[str, torch.Tensor]]) -> tuple[int, list]:
@@ -236,6 +251,13 @@ class BroadcastTransport:
         self.group = group
 
     def __call__(self, rpc: Rpc | None, named: list[tuple[str, torch.Tensor]]) -> tuple[int, list]:
+        return self.send(rpc, named, "load_bucket_broadcast")
+
+    def send(
+        self, rpc: Rpc | None, named: list[tuple[str, torch.Tensor]], method: str, *method_args
+    ) -> tuple[int, list]:
+        """Broadcast the bucket while the workers run `method(total, metas, *method_args)`, which receives
+        it (worker_extension: load_bucket_broadcast, install_lora_adapter_broadcast)."""
         metas, total = layout(named)
         if rpc is None:
             return total, []
@@ -244,7 +266,7 @@ class BroadcastTransport:
         buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
         pack_into(buffer, named, metas)
         with ThreadPoolExecutor(1) as pool:
-            receiving = pool.submit(rpc, "load_bucket_broadcast", total, [tuple(meta) for meta in metas])
+            receiving = pool.submit(rpc, method, total, [tuple(meta) for meta in metas], *method_args)
             sent = self.group.broadcast(buffer, root=0)
             try:
                 results = receiving.result()

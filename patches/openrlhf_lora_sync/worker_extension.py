@@ -16,9 +16,9 @@ Covers:
 - `time_reload_from_file`: the benchmark's floor (scripts/bench_sync.py): the same in-place reload of a
   bucket the worker first copies into its own memory, timed inside the worker, so it counts neither
   the trainer's merge nor the transport. `finish_weight_sync` also reports the seconds spent loading;
-- adapter sync mode (adapter_mode.py): `install_lora_adapter` builds vLLM's LoRAModel from a /dev/shm
-  bucket of peft-named LoRA tensors and makes it the engine's only adapter, refusing modules vLLM has
-  no LoRA layer for; `lora_adapter_ids` says what the engine holds.
+- adapter sync mode (adapter_mode.py): `install_lora_adapter` (and `_broadcast`) builds vLLM's
+  LoRAModel from a bucket of peft-named LoRA tensors and makes it the engine's only adapter, refusing
+  modules vLLM has no LoRA layer for; `lora_adapter_ids` says what the engine holds.
 Does not cover: cache resets. Those must go through the engine (scheduler-aware) rather than the
 worker: resetting only the worker's encoder cache makes the next image request fail with
 "Encoder cache miss". See sync.py.
@@ -164,10 +164,13 @@ class LoraSyncWorkerExtension(WorkerWrap):
         )
         self._lora_sync_group_device = self.device if backend == "nccl" else torch.device("cpu")
 
-    def load_bucket_broadcast(self, total: int, metas: list[TensorMeta]) -> int:
+    def _receive_broadcast(self, total: int) -> torch.Tensor:
         buffer = torch.empty(total, dtype=torch.uint8, device=self._lora_sync_group_device)
         self._lora_sync_group.broadcast(buffer, root=0).wait()
-        return self._load(unpack(buffer, metas))
+        return buffer
+
+    def load_bucket_broadcast(self, total: int, metas: list[TensorMeta]) -> int:
+        return self._load(unpack(self._receive_broadcast(total), metas))
 
     def finish_weight_sync(self, expect_every_layer: bool = False) -> dict:
         """Finalize the reload and report what was loaded. Raises when a layer got only part of its
@@ -257,7 +260,20 @@ class LoraSyncWorkerExtension(WorkerWrap):
     def install_lora_adapter(
         self, path: str, total: int, metas: list[TensorMeta], lora_id: int, peft_config: dict
     ) -> dict:
-        """Make the peft-named LoRA tensors of a /dev/shm bucket the engine's only adapter, as `lora_id`.
+        """Install the adapter in a /dev/shm bucket (engines on the trainer's node)."""
+        from openrlhf_lora_sync.transport import read_shm_bucket
+
+        return self._install_lora(dict(unpack(read_shm_bucket(path, total), metas)), lora_id, peft_config)
+
+    def install_lora_adapter_broadcast(
+        self, total: int, metas: list[TensorMeta], lora_id: int, peft_config: dict
+    ) -> dict:
+        """Install the adapter the trainer broadcasts over the sync group (engines on other nodes)."""
+        tensors = dict(unpack(self._receive_broadcast(total).cpu(), metas))
+        return self._install_lora(tensors, lora_id, peft_config)
+
+    def _install_lora(self, tensors: dict[str, torch.Tensor], lora_id: int, peft_config: dict) -> dict:
+        """Make peft-named LoRA tensors the engine's only adapter, as `lora_id`.
 
         The adapter is built in memory with vLLM's own LoRAModel.from_lora_tensors (the constructor its
         disk loader uses after reading the files) and registered in the worker's LoRA model manager, so a
@@ -267,8 +283,6 @@ class LoraSyncWorkerExtension(WorkerWrap):
         vLLM did not wrap with LoRA (e.g. the vision tower, which vLLM 0.29 leaves unwrapped by default)."""
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
-
-        from openrlhf_lora_sync.transport import read_shm_bucket
 
         worker_manager = getattr(self.model_runner, "lora_manager", None)
         if worker_manager is None:
@@ -285,7 +299,7 @@ class LoraSyncWorkerExtension(WorkerWrap):
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         lora = LoRAModel.from_lora_tensors(
             lora_id,
-            dict(unpack(read_shm_bucket(path, total), metas)),
+            tensors,
             helper,
             device="cpu",
             dtype=worker_manager.lora_config.lora_dtype,
