@@ -36,10 +36,12 @@ Settings, read from the environment (the launcher forwards them to every Ray wor
                           It logs sync/probe_max_abs_diff, sync/probe_mean_abs_diff, sync/probe_seconds
                           and stops the run with ProbeFailed above the threshold
   LORA_SYNC_PROBE_THRESHOLD  the probe's max abs logprob diff limit, default probe.PROBE_THRESHOLD[bf16]
+  LORA_SYNC_RUN_ID        names this run's /dev/shm bucket files (the launcher sets it and removes the
+                          files when training ends)
 
 Does not cover: OpenRLHF/vLLM releases other than the pinned ones, which `apply()` refuses. Engines on
-other nodes need the broadcast transport (shared memory and CUDA IPC reach only this node); adapter
-mode does not reach them yet (its adapter always travels through /dev/shm).
+other nodes need the broadcast transport (shared memory and CUDA IPC reach only this node), which
+carries adapter mode's adapter too.
 """
 
 from __future__ import annotations
@@ -262,7 +264,7 @@ def _probe_after_sync(trainer, engines, stats, rank: int, distributed: bool) -> 
 
         if getattr(getattr(trainer.strategy.args, "vllm", None), "enable_sleep", False):
             ray.get([actor.wake_up.remote(tags=["kv_cache"]) for actor in engines.actors])
-        state = trainer._lora_sync_state
+        state = getattr(trainer, "_lora_sync_state", None)
         lora_request = state.lora_request() if isinstance(state, AdapterSyncState) else None
         engine = probe.engine_prompt_logprobs(engines, token_ids, lora_request)
         threshold = float(os.environ.get("LORA_SYNC_PROBE_THRESHOLD") or probe.PROBE_THRESHOLD["bfloat16"])

@@ -56,7 +56,7 @@ class ShmBucket(NamedTuple):
 
 
 class ShmSlots:
-    """/dev/shm files that carry bucket after bucket within one sync, each reused once the engines loaded it.
+    """/dev/shm files that carry bucket after bucket, each reused once the engines have loaded from it.
 
     Why reuse: tmpfs allocates and zeroes a page the first time it is written, so a new file per bucket
     pays that for every byte sent (0.41 s of the 0.47 s it took to pack the benchmark model's 611 MiB on
@@ -129,13 +129,11 @@ def kept_shm_slots() -> ShmSlots:
     return _kept_shm_slots(os.getpid())  # per pid: a forked child must not write its parent's files
 
 
-def remove_run_files(run_id: str) -> int:
-    """Remove the bucket files of run `run_id` under /dev/shm on this node; how many there were."""
-    paths = glob.glob(os.path.join(SHM_DIR, f"{SHM_FILE_PREFIX}{glob.escape(run_id)}-*.bin"))
-    for path in paths:
+def remove_run_files(run_id: str) -> None:
+    """Remove the bucket files of run `run_id` under /dev/shm on this node."""
+    for path in glob.glob(os.path.join(SHM_DIR, f"{SHM_FILE_PREFIX}{glob.escape(run_id)}-*.bin")):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-    return len(paths)
 
 
 def send_via_shm(rpc: Rpc | None, named: list[tuple[str, torch.Tensor]]) -> tuple[int, list]:
