@@ -401,3 +401,12 @@ def test_run_script_without_gpu_or_recipe_picks_the_cpu_smoke_recipe(tmp_path):
     done = run_script(tmp_path, "--dry-run", gpu=False)
     assert done.returncode == 0, done.stderr
     assert "smoke-cpu.yaml" in done.stderr and "nothing started" in done.stdout
+
+
+def test_sync_bucket_default_is_the_same_in_the_recipe_the_patch_and_the_memory_budget():
+    # Three places hold the default (the user-facing recipe, the patch's fallback when LORA_SYNC_BUCKET_MB
+    # is unset, the memory estimator's Settings); this keeps them one value.
+    from openrlhf_lora_sync.sync import DEFAULT_BUCKET_BYTES
+
+    recipe_mb = yaml.safe_load(BASE.read_text())["sync.bucket_mb"]
+    assert recipe_mb == DEFAULT_BUCKET_BYTES >> 20 == memory_budget.Settings.bucket_mb
