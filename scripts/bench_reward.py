@@ -22,10 +22,10 @@ from rewards.math_answer import CONFIG, PROMPT_INSTRUCTIONS, reward_func  # noqa
 # (label, forms of a right final answer, a wrong final answer)
 PROBLEMS = [
     ("5", ["5", "5.0", "\\frac{10}{2}", "x = 5"], "6"),
-    ("3\\sqrt{3}", ["3\\sqrt{3}", "\\sqrt{27}", "5.196152"], "5.2"),
+    ("3\\sqrt{3}", ["3\\sqrt{3}", "\\sqrt{27}", "5.196152", "3√3", "√27"], "5.2"),
     ("\\frac{40}{3}", ["\\frac{40}{3}", "40/3", "13\\frac{1}{3}"], "13.3"),
-    ("60", ["60", "60^\\circ", "60 degrees"], "120"),
-    ("14\\pi", ["14\\pi", "14 \\pi"], "43.98"),
+    ("60", ["60", "60^\\circ", "60 degrees", "60°"], "120"),
+    ("14\\pi", ["14\\pi", "14 \\pi", "14π cm²"], "43.98"),
     ("12.5", ["12.5", "\\frac{25}{2}", "12\\frac{1}{2}"], "12"),
     ("2\\sqrt{221}", ["2\\sqrt{221}", "\\sqrt{884}"], "29.7"),
 ]

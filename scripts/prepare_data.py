@@ -17,7 +17,7 @@ The image items come first, one per image, with the question's ``<image>`` tags 
 ``REWARD_ANSWER_FORMAT``. Train with::
 
     --data.prompt_dataset OUTPUT_DIR/train.jsonl --data.input_key prompt --data.label_key label
-    --data.image_key images --data.apply_chat_template --data.max_images_per_prompt 1
+    --data.image_key images --data.apply_chat_template --data.max_images_per_prompt N
     --eval.dataset OUTPUT_DIR/test.jsonl
 
 OpenRLHF's PromptDataset renders ``prompt`` with the processor's chat template (each image item becomes the
@@ -25,9 +25,12 @@ model's image placeholder) and hands ``images`` to ``openrlhf.utils.vlm_utils.lo
 path relative to the vLLM actor's working directory. Paths are therefore absolute unless ``--relative-to DIR``
 is given (the committed ``data/sample`` is written relative to the repository root: train from there).
 
-Rows with no image, an image that cannot be decoded, an empty question or an empty answer are skipped and
-counted; a summary per split is printed. Not covered: videos, multi-turn prompts, interleaving text between
-several images, and multiple-choice options (the answer column is used as the label as it is).
+Rows with no image, more images than ``--max-images-per-prompt`` (default: the recipes'
+``data.max_images_per_prompt``, read from recipes/base.yaml; train with the same N, vLLM refuses a prompt
+with more images mid-run), an image that cannot be decoded, an empty question or an empty answer are
+skipped and counted; a summary per split is printed, plus a line naming the fix when rows were over the
+image limit. Not covered: videos, multi-turn prompts, interleaving text between several images, and
+multiple-choice options (the answer column is used as the label as it is).
 """
 
 from __future__ import annotations
@@ -49,8 +52,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))  # run as `python scripts/prepare_data.py`: make `rewards` importable
 
 from rewards.math_answer import ANSWER_FORMATS, PROMPT_INSTRUCTIONS  # noqa: E402
+from scripts.render_recipe import RECIPES_DIR, load_recipe  # noqa: E402
 
 IMAGE_TAG = "<image>"
+IMAGE_LIMIT_KEY = "data.max_images_per_prompt"
+
+
+def recipe_image_limit() -> int:
+    """The image limit every recipe trains with: recipes/base.yaml's data.max_images_per_prompt."""
+    return load_recipe(RECIPES_DIR / "base.yaml")[IMAGE_LIMIT_KEY]
 
 
 @dataclass
@@ -129,6 +139,7 @@ def build_row(
     instruction: str,
     datasource: str,
     relative_to: Path | None,
+    max_images: int,
 ) -> dict:
     """One OpenRLHF prompt row; writes its images. Raises SkipRow for rows that cannot be used."""
     label = example.get(columns.answer)
@@ -143,6 +154,8 @@ def build_row(
     references = [reference for reference in references if reference is not None]
     if not references:
         raise SkipRow("missing_image")
+    if len(references) > max_images:
+        raise SkipRow("too_many_images")
     try:
         images = [open_image(reference) for reference in references]
     except SkipRow:
@@ -177,8 +190,12 @@ def convert(
     datasource: str = "default",
     relative_to: Path | None = None,
     max_rows: int | None = None,
+    max_images_per_prompt: int | None = None,
 ) -> dict[str, SplitSummary]:
-    """Write OUTPUT_DIR/SPLIT.jsonl and its images for each split; returns what was written and skipped."""
+    """Write OUTPUT_DIR/SPLIT.jsonl and its images for each split; returns what was written and skipped.
+
+    Rows with more than ``max_images_per_prompt`` images (default: ``recipe_image_limit()``) are skipped."""
+    max_images = recipe_image_limit() if max_images_per_prompt is None else max_images_per_prompt
     output_dir = output_dir.resolve()
     relative_to = relative_to.resolve() if relative_to else None
     summaries = {}
@@ -205,6 +222,7 @@ def convert(
                         instruction=PROMPT_INSTRUCTIONS[answer_format],
                         datasource=datasource,
                         relative_to=relative_to,
+                        max_images=max_images,
                     )
                 except SkipRow as reason:
                     summary.skipped[str(reason)] += 1
@@ -250,7 +268,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--max-rows", type=int, help="convert at most this many rows per split (default: all)"
     )
+    parser.add_argument(
+        "--max-images-per-prompt",
+        type=positive_int,
+        default=recipe_image_limit(),
+        help=f"skip rows with more images than this; train with the same {IMAGE_LIMIT_KEY} "
+        "(default: %(default)s, the recipes' value)",
+    )
     return parser.parse_args(argv)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
 
 
 def main(argv: list[str] | None = None) -> dict[str, SplitSummary]:
@@ -264,9 +296,17 @@ def main(argv: list[str] | None = None) -> dict[str, SplitSummary]:
         datasource=args.datasource or Path(args.dataset.rstrip("/")).stem,
         relative_to=args.relative_to,
         max_rows=args.max_rows,
+        max_images_per_prompt=args.max_images_per_prompt,
     )
     for split_name, summary in summaries.items():
         print(f"{split_name}: {summary} -> {args.output_dir / f'{split_name}.jsonl'}")
+    over_limit = sum(summary.skipped["too_many_images"] for summary in summaries.values())
+    if over_limit:
+        print(
+            f"{over_limit} row(s) had more than {args.max_images_per_prompt} image(s); to keep them, raise "
+            f"--max-images-per-prompt and train with the same {IMAGE_LIMIT_KEY}",
+            file=sys.stderr,
+        )
     return summaries
 
 

@@ -50,7 +50,12 @@ TRAIN_ROWS = [
     ([diagram()], "<image>Find x.", "5", "written"),
     ([diagram()], "<image>Find y.", " 3\\sqrt{3} ", "written: label stripped"),
     ([diagram("RGBA")], "<image>Find z.", "7", "written: transparent image flattened onto white"),
-    ([diagram(), diagram()], "<image><image>Compare the two figures.", "2", "written: two image items"),
+    (
+        [diagram(), diagram()],
+        "<image><image>Compare the two figures.",
+        "2",
+        "too_many_images: over the recipes' 1",
+    ),
     ([], "<image>Find v.", "1", "missing_image: empty image list"),
     ([None], "<image>Find w.", "1", "missing_image: null image"),
     ([{"bytes": b"not an image", "path": None}], "<image>Find u.", "4", "unreadable_image: garbage bytes"),
@@ -145,8 +150,8 @@ def test_converts_local_datasets_and_counts_bad_rows(kind, tmp_path, capsys):
     assert f"train: wrote {written} rows, skipped {sum(EXPECTED_SKIPS.values())}" in capsys.readouterr().out
 
     rows = read_jsonl(output_dir / "train.jsonl")
-    assert [row["label"] for row in rows] == ["5", "3\\sqrt{3}", "7", "2"]
-    assert [len(row["images"]) for row in rows] == [1, 1, 1, 2]
+    assert [row["label"] for row in rows] == ["5", "3\\sqrt{3}", "7"]
+    assert [len(row["images"]) for row in rows] == [1, 1, 1]
     assert all(Path(path).is_absolute() and Path(path).is_file() for row in rows for path in row["images"])
     # The datasource defaults to the dataset's base name without extension.
     assert {row["datasource"] for row in rows} == {
@@ -177,19 +182,91 @@ def test_output_loads_with_openrlhf_prompt_dataset_for_a_vlm(tmp_path, vl_proces
     )
     dataset = openrlhf_prompt_dataset(output_dir / "train.jsonl", vl_processor)
 
-    assert len(dataset) == 4
+    assert len(dataset) == 3
     datasource, prompt, label, images = dataset[0]
     assert (datasource, label) == ("geo", "5")
     assert "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Find x." in prompt
     assert PROMPT_INSTRUCTIONS["think_answer"] in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
-    assert dataset[3][1].count("<|vision_start|><|image_pad|><|vision_end|>") == 2
 
     # What the vLLM actor does next: load the image files and expand each placeholder to its patches.
     token_ids, mm_inputs, pil_images = process_prompt_with_images(vl_processor, prompt, images)
     assert len(pil_images) == 1 and mm_inputs["image_grid_thw"].shape == (1, 3)
     merged_patches = int(mm_inputs["image_grid_thw"].prod()) // 4
     assert token_ids.count(vl_processor.image_token_id) == merged_patches
+
+
+# A plain table of rows with 0, 1 and 2 images, each labelled with its image count: (images, problem, answer).
+IMAGE_COUNT_ROWS = [
+    ([], "<image>Find a.", "0"),
+    ([diagram()], "<image>Find b.", "1"),
+    ([diagram(), diagram()], "<image><image>Find c.", "2"),
+]
+VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+# (extra flags, labels written, skipped, what the case shows)
+IMAGE_LIMITS = [
+    ([], ["1"], {"missing_image": 1, "too_many_images": 1}, "default: the recipes' one image"),
+    (
+        ["--max-images-per-prompt", "2"],
+        ["1", "2"],
+        {"missing_image": 1},
+        "control: a limit of two keeps both",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("flags", "labels", "skipped", "case"), IMAGE_LIMITS, ids=[case for *_, case in IMAGE_LIMITS]
+)
+def test_rows_over_the_image_limit_are_skipped_and_counted(
+    tmp_path, capsys, vl_processor, flags, labels, skipped, case
+):
+    from openrlhf.utils.vlm_utils import process_prompt_with_images
+
+    as_dataset(IMAGE_COUNT_ROWS).to_parquet(tmp_path / "rows.parquet")
+    output_dir = tmp_path / "out"
+    summaries = prepare_data.main(
+        ["--dataset", str(tmp_path / "rows.parquet"), "--output-dir", str(output_dir)] + flags
+    )
+
+    assert summaries["train"].skipped == Counter(skipped)
+    assert [row["label"] for row in read_jsonl(output_dir / "train.jsonl")] == labels
+    hint = capsys.readouterr().err
+    if "too_many_images" in skipped:
+        assert "1 row(s) had more than 1 image(s); to keep them, raise --max-images-per-prompt" in hint
+    else:
+        assert "had more than" not in hint
+    # What is written is what OpenRLHF renders and the vLLM actor loads: one placeholder per image.
+    dataset = openrlhf_prompt_dataset(output_dir / "train.jsonl", vl_processor)
+    for _, prompt, label, images in dataset:
+        image_count = int(label)  # each row's label is its number of images
+        assert prompt.count(VISION_PLACEHOLDER) == image_count
+        _, mm_inputs, pil_images = process_prompt_with_images(vl_processor, prompt, images)
+        assert len(pil_images) == image_count and mm_inputs["image_grid_thw"].shape == (image_count, 3)
+
+
+def test_image_limit_defaults_to_the_recipes_value(tmp_path, monkeypatch):
+    from scripts.render_recipe import load_recipe
+
+    default = prepare_data.parse_args([]).max_images_per_prompt
+    recipes = sorted((REPO_ROOT / "recipes").glob("*.yaml"))
+    # Data prepared with the default fits every shipped recipe, and the base recipe's limit is the default.
+    assert recipes and all(load_recipe(recipe)[prepare_data.IMAGE_LIMIT_KEY] >= default for recipe in recipes)
+    assert load_recipe(REPO_ROOT / "recipes" / "base.yaml")[prepare_data.IMAGE_LIMIT_KEY] == default
+    # Control: the default is read from recipes/base.yaml, not a constant that happens to agree.
+    (tmp_path / "base.yaml").write_text(f"{prepare_data.IMAGE_LIMIT_KEY}: 3\n")
+    monkeypatch.setattr(prepare_data, "RECIPES_DIR", tmp_path)
+    assert prepare_data.parse_args([]).max_images_per_prompt == 3
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "one"])
+def test_image_limit_must_be_a_positive_integer(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_data.parse_args(["--max-images-per-prompt", value])
+    assert exit_info.value.code == 2
+    assert "--max-images-per-prompt" in capsys.readouterr().err.splitlines()[-1]
 
 
 def test_relative_image_paths(tmp_path, monkeypatch):
@@ -229,6 +306,7 @@ def test_cli_help():
         check=True,
     )
     assert "--dataset" in completed.stdout and "--relative-to" in completed.stdout
+    assert "--max-images-per-prompt" in completed.stdout
 
 
 def test_committed_sample_is_small_and_loads_from_the_repo_root(monkeypatch, vl_processor):

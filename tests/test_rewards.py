@@ -22,6 +22,7 @@ from rewards.math_answer import (
     format_reward,
     gold_latex,
     last_boxed_content,
+    normalize_unicode_math,
 )
 
 REWARD_FILE = Path(__file__).resolve().parents[1] / "rewards" / "math_answer.py"
@@ -143,6 +144,248 @@ def test_wrong_answers_get_no_accuracy(executor, label, response, case):
     assert result["scores"].tolist() == [0.0]
 
 
+# Final answers as Qwen-VL models write them for geometry3k-style labels: (label, boxed answer, whether its
+# exact value is the label's, case). Graded end to end; MISGRADED lists the cases the reward gets wrong.
+GEOMETRY_ANSWERS = [
+    # values
+    ("5", "5", True, "integer"),
+    ("5", "x = 5", True, "assignment"),
+    ("7.5", "\\frac{15}{2}", True, "fraction for a decimal label"),
+    ("7.5", "7.50", True, "trailing zero"),
+    ("12", "１２", True, "full-width digits"),
+    ("12", "١٢", True, "Arabic-Indic digits"),
+    ("12", "21", False, "control: digits swapped"),
+    ("12", "１３", False, "control: wrong full-width digits"),
+    ("1000", "1\u2009000", True, "thin space as thousands separator"),
+    ("1000", "1\u202f000", True, "narrow no-break space as thousands separator"),
+    ("12000", "12\u2009000", True, "thin-space grouped five digits"),
+    ("1", "1\u2009000", False, "control: a grouped number is one number"),
+    ("12", "12\u2009000", False, "control: the group separator does not cut the number"),
+    ("12", "x\u00a0=\u00a012", True, "no-break spaces around the equals sign"),
+    ("12", "AB\u200b = 12", True, "zero-width space"),
+    ("-5", "\u22125", True, "U+2212 minus"),
+    ("5", "\u22125", False, "control: the U+2212 minus keeps the sign"),
+    ("12", "3 × 4", True, "multiplication sign"),
+    ("12", "3·4", True, "middle dot"),
+    ("12", "3⋅4", True, "dot operator"),
+    ("7", "3 × 4", False, "control: a product, not a sum"),
+    ("6", "2 × 3 + 1", False, "control: the sign binds as multiplication"),
+    ("3", "12 ÷ 4", True, "division sign"),
+    ("3", "（3）", True, "full-width parentheses"),
+    # fractions
+    ("\\frac{3}{2}", "3/2", True, "slash fraction"),
+    ("\\frac{3}{2}", "1.5", True, "decimal for a fraction"),
+    ("\\frac{3}{2}", "\\dfrac{3}{2}", True, "\\dfrac"),
+    ("\\frac{3}{2}", "\\frac{2}{3}", False, "control: inverted fraction"),
+    ("\\frac{40}{3}", "13\\frac{1}{3}", True, "mixed number"),
+    ("\\frac{40}{3}", "13.33", False, "rounded to 2 places: not the exact value"),
+    ("0.5", "½", True, "vulgar fraction"),
+    ("7.5", "7½", True, "mixed number with a vulgar fraction"),
+    ("\\frac{7}{2}", "7½", False, "control: 7½ is seven and a half, not 7 times a half"),
+    ("\\frac{1}{2}", "⅓", False, "control: a third is not a half"),
+    # angles
+    ("60", "60°", True, "issue 13 example: degree sign"),
+    ("60", "60 °", True, "degree sign after a space"),
+    ("60", "60^°", True, "degree sign as a superscript"),
+    ("60", "60^{°}", True, "braced degree sign"),
+    ("60", "60º", True, "masculine ordinal typed for the degree sign"),
+    ("60", "60^{\\circ}", True, "LaTeX circ"),
+    ("60", "60^\\circ", True, "LaTeX circ without braces"),
+    ("60", "60\\degree", True, "gensymb \\degree"),
+    ("60", "60 degrees", True, "unit word"),
+    ("60", "60 \\text{ degrees}", True, "unit word in \\text"),
+    ("60", "∠ABC = 60°", True, "angle name and degree sign"),
+    ("60", "m\\angle ABC = 60^\\circ", True, "LaTeX angle measure"),
+    ("60°", "60", True, "degree sign in the label"),
+    ("30", "60°", False, "control: wrong angle with a degree sign"),
+    ("120", "60°", False, "control: the supplement"),
+    ("60", "\\frac{\\pi}{3}", True, "radians for a degree label"),
+    # lengths, areas and volumes with units
+    ("12", "12 cm", True, "bare unit"),
+    ("12", "12\u202fcm", True, "narrow no-break space before the unit"),
+    ("12", "12\u3000cm", True, "full-width space before the unit"),
+    ("12", "12 \\text{ cm}", True, "unit in \\text"),
+    ("12", "12\\,\\text{cm}", True, "LaTeX thin space and unit"),
+    ("24", "24 cm²", True, "area unit with a superscript"),
+    ("24", "24 \\text{cm}²", True, "unit in \\text with a superscript"),
+    ("24", "24 \\text{ cm}^2", True, "LaTeX area unit"),
+    ("24", "24 cm^2", True, "bare unit with a caret power"),
+    ("24", "24 units²", True, "square units"),
+    ("24", "24 square units", True, "square units in words"),
+    ("64", "64 m³", True, "volume unit"),
+    ("24", "42 cm²", False, "control: wrong area with a unit"),
+    ("5", "5 in.", True, "inches abbreviated with a period"),
+    # radicals
+    ("2\\sqrt{3}", "2√3", True, "issue 13 example: unicode root"),
+    ("2\\sqrt{3}", "2√{3}", True, "unicode root, braced radicand"),
+    ("2\\sqrt{3}", "2√(3)", True, "unicode root, parenthesised radicand"),
+    ("2\\sqrt{3}", "2 √ 3", True, "spaces around the root sign"),
+    ("2\\sqrt{3}", "√12", True, "unsimplified unicode root"),
+    ("\\sqrt{3}", "√12/2", True, "unicode root over a number"),
+    ("\\frac{\\sqrt{3}}{2}", "√3/2", True, "half a root"),
+    ("\\frac{1}{\\sqrt{2}}", "√2/2", True, "rationalised root"),
+    ("\\frac{3\\sqrt{2}}{2}", "3√2/2", True, "fraction with a root"),
+    ("\\sqrt{3}+1", "√3 + 1", True, "root plus one"),
+    ("\\sqrt{3}+1", "1+√3", True, "root plus one, reordered"),
+    ("\\sqrt{7}", "√(3+4)", True, "sum under a parenthesised root"),
+    ("\\sqrt{3}x", "√3x", True, "root of a number times a variable"),
+    ("2", "∛8", True, "cube root"),
+    ("5\\sqrt{2}", "5√2 ≈ 7.07", True, "root with its approximation"),
+    ("2√3", "2\\sqrt{3}", True, "unicode root in the label"),
+    ("2\\sqrt{3}", "2\\sqrt{3}", True, "LaTeX root"),
+    ("2\\sqrt{3}", "2\\sqrt3", True, "LaTeX root without braces"),
+    ("2\\sqrt{3}", "\\sqrt{12}", True, "LaTeX unsimplified root"),
+    ("2\\sqrt{3}", "3√2", False, "control: 3√2 is not 2√3"),
+    ("\\sqrt{3}", "\u2212√3", False, "control: a negative root"),
+    ("9", "3√3", False, "control: 3√3 is not 3 times 3"),
+    ("2\\sqrt{3}", "2√3 + 1", False, "control: an extra term"),
+    ("2", "√3 + 1", False, "control: an unbraced root covers the number only"),
+    ("4", "√(3) + 1", False, "control: a parenthesised root ends at its parenthesis"),
+    ("3x", "√3x", False, "control: the root covers the 3, not the x"),
+    ("\\sqrt{3}", "√12/3", False, "control: wrong denominator"),
+    ("2\\sqrt{2}", "∛16", False, "control: a cube root is not a square root"),
+    ("2\\sqrt{3}", "3.46", False, "decimal approximation of a root"),
+    # pi
+    ("14\\pi", "14π", True, "unicode pi"),
+    ("14\\pi", "14 π cm", True, "unicode pi with a unit"),
+    ("25\\pi", "25π cm²", True, "pi area with a unit superscript"),
+    ("25\\pi", "25\\pi \\text{ cm}^2", True, "LaTeX pi area"),
+    ("\\frac{\\pi}{2}", "π/2", True, "pi over two"),
+    ("4\\pi\\sqrt{3}", "4π√3", True, "pi times a unicode root"),
+    ("\\sqrt{\\pi}", "√π", True, "root of pi"),
+    ("3", "π", False, "control: pi is not 3"),
+    ("25\\pi", "25π²", False, "control: pi squared is not pi"),
+    ("25\\pi", "78.54", False, "decimal value of a multiple of pi"),
+    # powers
+    ("25", "5²", True, "superscript square"),
+    ("1000", "10³", True, "superscript cube"),
+    ("0.001", "10⁻³", True, "superscript negative exponent"),
+    ("x^{2}", "x²", True, "superscript on a variable"),
+    ("2x", "x²", False, "control: a square is not a double"),
+    ("30", "10³", False, "control: a power is not a product"),
+    # mixed
+    ("6\\sqrt{3}", "6√3 cm", True, "root with a unit"),
+    ("\\frac{25\\sqrt{3}}{4}", "(25√3)/4", True, "parenthesised numerator with a root"),
+    ("\\frac{25\\sqrt{3}}{4}", "25√3/4 cm²", True, "root area with a unit"),
+    ("8", "２√１６", True, "full-width digits under a root"),
+]
+# The cases the reward grades wrongly, and why; the module docstring states their count.
+MISGRADED = {
+    "radians for a degree label": "math-verify compares values; 60 is not pi/3 (units are not converted)",
+    "bare unit with a caret power": "math-verify reads a bare cm^2 as c*m**2 (ASCII, so not normalised)",
+    "inches abbreviated with a period": 'math-verify strips "in" but not "in."',
+}
+
+
+def misgraded_counts(graded_correct: dict[str, bool]) -> tuple[int, int]:
+    """(false negatives, false positives) of GEOMETRY_ANSWERS given each case's 0/1 verdict."""
+    right = {case: is_right for *_, is_right, case in GEOMETRY_ANSWERS}
+    false_negatives = sum(right[case] and not correct for case, correct in graded_correct.items())
+    false_positives = sum(correct and not right[case] for case, correct in graded_correct.items())
+    return false_negatives, false_positives
+
+
+@pytest.fixture(scope="module")
+def geometry_grades(executor) -> dict[str, tuple[float, float, str | None]]:
+    """(accuracy, format, flag) of every GEOMETRY_ANSWERS case, graded through OpenRLHF's call, all samples at
+    once as the vLLM actor sends them (so both verifier workers are busy)."""
+    samples = [(*qwen_query(f"So \\boxed{{{answer}}}"), label) for label, answer, *_ in GEOMETRY_ANSWERS]
+
+    async def grade_all():
+        calls = [executor._fetch_rewards_via_func([q], [p], [label]) for q, p, label in samples]
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(grade_all())
+    return {case: summary(result) for (*_, case), (result,) in zip(GEOMETRY_ANSWERS, results, strict=True)}
+
+
+@pytest.mark.parametrize(
+    ("is_right", "case"), [row[2:] for row in GEOMETRY_ANSWERS], ids=[case for *_, case in GEOMETRY_ANSWERS]
+)
+def test_geometry_answers_are_graded_by_value(geometry_grades, is_right, case):
+    accuracy, format_score, _ = geometry_grades[case]
+    assert format_score == 1.0
+    assert accuracy == float(is_right != (case in MISGRADED)), MISGRADED.get(case)
+
+
+def test_docstring_states_the_misgrade_counts_with_and_without_the_normalisation(
+    geometry_grades, monkeypatch
+):
+    """The counts in the module docstring, measured: with the normalisation (the graded table above), and
+    without it, the negative control showing what the normalisation fixes."""
+    with_normalisation = {case: accuracy == 1.0 for case, (accuracy, _, _) in geometry_grades.items()}
+    # In this process, the verifier function the subprocesses run, with the normalisation taken out.
+    monkeypatch.setattr(math_answer, "normalize_unicode_math", lambda text: text)
+    without_normalisation = {
+        case: math_answer._verify_pair(gold_latex(label), f"\\boxed{{{answer}}}")
+        is math_answer.Verdict.CORRECT
+        for label, answer, _, case in GEOMETRY_ANSWERS
+    }
+
+    fixed = misgraded_counts(with_normalisation)
+    unfixed = misgraded_counts(without_normalisation)
+    assert unfixed[0] > fixed[0] and unfixed[1] == fixed[1] == 0
+    stated = (
+        f"{len(GEOMETRY_ANSWERS)} answers: {fixed[0]} false negatives and {fixed[1]} false positives "
+        f"({unfixed[0]} and {unfixed[1]} without the normalisation)"
+    )
+    assert stated in " ".join(math_answer.__doc__.split())
+
+
+# The pure normalisation: (text, what math-verify is given, case).
+NORMALIZED = [
+    ("2√3", "2\\sqrt{3}", "root of a number"),
+    ("√{3}", "\\sqrt{3}", "braced radicand keeps its braces"),
+    ("√(3+4)", "\\sqrt{(3+4)}", "parenthesised radicand"),
+    ("√(√(81))", "\\sqrt{(\\sqrt{(81)})}", "nested parenthesised roots"),
+    ("(√(3)+1)*2", "(\\sqrt{(3)}+1)*2", "other parentheses are left alone"),
+    ("√ 12/2", "\\sqrt{12}/2", "space after the root sign; the root ends at the number"),
+    ("√2.25", "\\sqrt{2.25}", "decimal radicand"),
+    ("√x", "\\sqrt{x}", "letter radicand"),
+    ("√π", "\\sqrt{\\pi} ", "pi radicand"),
+    ("∛8 + ∜16", "\\sqrt[3]{8} + \\sqrt[4]{16}", "cube and fourth roots"),
+    ("√(3", "\\sqrt{(3", "unclosed parenthesis stays unclosed"),
+    ("60°", "60^{\\circ}", "degree sign"),
+    ("60^°", "60^{\\circ}", "degree sign as a superscript"),
+    ("60^{ ° }", "60^{\\circ}", "braced degree sign"),
+    ("60\\degree, 30\\textdegree", "60^{\\circ}, 30^{\\circ}", "LaTeX degree commands"),
+    ("\\degrees", "\\degrees", "a longer command is not \\degree"),
+    ("8π", "8\\pi ", "pi"),
+    ("3×4·5⋅6÷2", "3 \\times 4 \\cdot 5 \\cdot 6 \\div 2", "operators"),
+    ("\u22125", "-5", "minus sign"),
+    ("x²+10⁻³", "x^{2}+10^{-3}", "superscripts"),
+    ("10¹²", "10^{12}", "a run of superscript digits is one exponent"),
+    ("24 cm² and 8 m³", "24 \\text{cm}^{2} and 8 \\text{m}^{3}", "units before a superscript"),
+    ("πr²", "\\pi r^{2}", "a variable before a superscript is not a unit"),
+    ("１２＋３", "12+3", "full-width digits and signs"),
+    ("١٢ ४२", "12 42", "Arabic-Indic and Devanagari digits"),
+    ("7½ ⅓", "7\\frac{1}{2} \\frac{1}{3}", "vulgar fractions"),
+    ("1\u2009000\u202f000", "1000000", "digit group separators"),
+    ("1\u2009.5 x\u00a0=\u30002", "1 .5 x = 2", "other Unicode spaces are spaces"),
+    ("1\u200b2\ufeff", "12", "zero-width characters"),
+    ("\\frac{1}{2} cm", "\\frac{1}{2} cm", "plain LaTeX is unchanged"),
+    ("∞ ≤ é", "∞ ≤ é", "other characters are unchanged"),
+]
+
+
+@pytest.mark.parametrize(("text", "normalized", "case"), NORMALIZED, ids=[case for *_, case in NORMALIZED])
+def test_normalize_unicode_math(text, normalized, case):
+    assert normalize_unicode_math(text) == normalized
+    assert normalize_unicode_math(normalized) == normalized
+
+
+def test_normalization_of_random_text_never_raises_and_leaves_no_handled_character():
+    handled = "√∛∜°˚º×·⋅∙÷π\u2212⁰¹²³⁴⁵⁶⁷⁸⁹½１２（\u2009\u00a0\u200b"
+    pieces = [*handled, "⁻", "⁺", "(", ")", "{", "}", "^", "\\degree", "\\", " ", "1", "000", "cm", "x",
+              "\ud800", "😀"]  # fmt: skip
+    generator = random.Random(0)
+    for _ in range(2000):
+        text = "".join(generator.choice(pieces) for _ in range(generator.randint(0, 30)))
+        normalized = normalize_unicode_math(text)
+        assert not set(normalized) & set(handled), (text, normalized)
+        assert normalize_unicode_math(normalized) == normalized, text
+
+
 # Malformed output: (response, label, (accuracy, format, flag)) exactly as the module docstring's table says.
 MALFORMED = [
     ("", "12", (0.0, 0.0, "math_no_answer"), "empty response"),
@@ -166,9 +409,8 @@ MALFORMED = [
         "several boxes: earlier right one ignored",
     ),
     ("Done \\boxed{12} then \\boxed{1", "12", (0.0, 0.0, "math_no_answer"), "last box truncated"),
-    ("So \\boxed{١٢}", "12", (0.0, 1.0, "math_parse_failure"), "Arabic-Indic digits"),
-    ("So \\boxed{１２}", "12", (0.0, 1.0, "math_parse_failure"), "full-width digits"),
-    ("So \\boxed{√3}", "\\sqrt{3}", (0.0, 1.0, "math_parse_failure"), "unicode square root"),
+    ("So \\boxed{√}", "\\sqrt{3}", (0.0, 1.0, "math_parse_failure"), "root sign without a radicand"),
+    ("So \\boxed{∞}", "12", (0.0, 1.0, "math_parse_failure"), "unicode beyond the normalisation"),
     ("So \\boxed{+}", "12", (0.0, 1.0, "math_parse_failure"), "operator without operands"),
     ("So \\boxed{" + "1" * 1001 + "}", "12", (0.0, 1.0, "math_parse_failure"), "answer over 1000 chars"),
     ("So 😀 \\boxed{12} ✓", "12", (1.0, 1.0, None), "emoji around the answer"),
