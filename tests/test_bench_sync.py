@@ -3,8 +3,10 @@
 Runs the benchmark as users do (a subprocess, one repeat, a few generated tokens) on the tiny Qwen2.5-VL
 checkpoint and checks its JSON line: all rows and keys, RPC and byte counts that match each row's
 design (one RPC per tensor for per_tensor, a few buckets for full, less for deltas), and the logprob
-check the script makes after every row against HF's merge: within tolerance for each row, while the
-unsynced engine (the negative control) is far off. Timings are printed, never asserted.
+check the script makes after every row against HF's merge: within the script's tolerance for each row,
+while the unsynced engine (the negative control) is far off; and no per-layer reload warning in its
+output (vLLM's "Failed to load weights", which each delta sync used to log once per layer it did not
+send). Timings are printed, never asserted.
 Also: the "bench" scale of tiny_models.py has a few hundred million parameters (counted on the meta device).
 Does not cover: running the bench-scale model (`python scripts/bench_sync.py --quick` does, in minutes).
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from openrlhf_lora_sync.logprob_check import LOGPROB_TOLERANCE
+from openrlhf_lora_sync.probe import PROBE_THRESHOLD
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_sync.py"
 ROWS = ("floor", "full", "delta_all", "delta_qv", "per_tensor", "adapter")
@@ -50,11 +52,21 @@ def test_bench_sync_rows_on_a_tiny_model(tiny_model_dir):
     assert result["delta_qv_bytes"] < result["delta_all_bytes"] < result["full_bytes"]
     assert result["adapter_rpcs"] == 1
 
+    # The script's own check: the probe's bf16 threshold (0.1), not the engine-equivalence tolerance (0.05,
+    # which this test used to apply and which failed once at 0.059 in the adapter row). With this strong
+    # adapter (r=64, scaling 8) bf16's error is large: over 10 adapter seeds, correct syncs measured
+    # 0.009 / 0.018 / 0.051 (min / median / max) merged, 0.010 / 0.024 / 0.053 in adapter mode, q/v-only
+    # 0.002 / 0.003 / 0.005, bit for bit the same with 1 or 2 trainer and engine threads (2026-12-03,
+    # AMD EPYC with AVX512-BF16, oneDNN kernels); the unsynced engine 0.93. The test's own seeds sit inside
+    # that spread, and other CPUs run other bf16 kernels (vLLM-CPU takes AMX kernels for weights up to
+    # 1 MiB, all of this model's, where the CPU has AMX): 0.1 is 1.9 times the worst seed, 0.05 was not.
     diffs = result["max_abs_logprob_diff"]
-    tolerance = LOGPROB_TOLERANCE["bfloat16"]
-    assert diffs["unsynced"] > 10 * tolerance
+    tolerance = result["logprob_tolerance"]
+    assert tolerance == PROBE_THRESHOLD["bfloat16"]
+    assert diffs["unsynced"] > 5 * tolerance
     for row in ROWS[1:]:
         assert diffs[row] <= tolerance, (row, diffs[row])
+    assert "Failed to load weights" not in run.stdout + run.stderr
 
 
 def test_bench_scale_is_a_few_hundred_million_parameters_and_refuses_qwen3_5():

