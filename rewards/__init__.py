@@ -4,16 +4,18 @@ OpenRLHF loads a reward as a file (``--reward.remote_url path/to/file.py``) that
 ``reward_func(queries, prompts, labels, **kwargs)``, so every registered reward lives in a self-contained
 file of this package and ``reward_file(name)`` gives the path a recipe passes on; from a shell,
 ``python -m rewards NAME`` prints it. ``REWARDS`` maps the same names to the functions, for code that calls
-them directly (tests, benchmarks). Scope: rewards whose label is a final answer; no learned reward models.
+them directly (tests, benchmarks). Scope: rule-based rewards (a final answer checked against the label;
+the ASCII-text share the CPU learning run optimizes); no learned reward models.
 """
 
 import inspect
 from pathlib import Path
 
-from rewards import math_answer
+from rewards import ascii_fraction, math_answer
 
 REWARDS = {
     "math_answer": math_answer.reward_func,
+    "ascii_fraction": ascii_fraction.reward_func,
 }
 
 

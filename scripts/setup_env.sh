@@ -61,7 +61,7 @@ install_cpu_stack() {
     --exclude torch torchvision torchaudio torchcodec flash-attn deepspeed > "$VENV/requirements.txt"
   pip install -q -r "$VENV/requirements.txt" -c "$constraints" \
     "peft==$(pin peft)" "datasets==$(pin datasets)" "wandb==$(pin wandb)" \
-    "math-verify[antlr4_13_2]==$(pin math-verify)" "wandb-workspaces==$(pin wandb-workspaces)" $(envtool dev)
+    "math-verify[antlr4_13_2]==$(pin math-verify)" "wandb-workspaces==$(pin wandb-workspaces)" "matplotlib==$(pin matplotlib)" $(envtool dev)
 
   # torchvision: PyPI's wheel is a CUDA build whose compiled ops (_C.so) need libtorch_cuda and do not
   # load beside CPU torch; the Qwen-VL processors need only its Python transforms. No source release
@@ -108,7 +108,7 @@ install_gpu_stack() {
   DS_BUILD_OPS=0 pip install -q --no-build-isolation -c "$constraints" "deepspeed==$(pin deepspeed)"
   pip install -q -c "$constraints" "openrlhf==$(pin openrlhf)" "peft==$(pin peft)" \
     "datasets==$(pin datasets)" "wandb==$(pin wandb)" "math-verify[antlr4_13_2]==$(pin math-verify)" \
-    "wandb-workspaces==$(pin wandb-workspaces)" $(envtool dev)
+    "wandb-workspaces==$(pin wandb-workspaces)" "matplotlib==$(pin matplotlib)" $(envtool dev)
 }
 
 "install_${stack}_stack"

@@ -1,12 +1,14 @@
-"""CPU smoke run: the whole GRPO + LoRA loop on a tiny random Qwen2.5-VL, to check the pipeline, not to train.
+"""CPU smoke run: the whole GRPO + LoRA loop on a tiny random Qwen2.5-VL, to check the pipeline and, with
+recipes/learn-cpu.yaml and --control, to see it learn.
 
 Hardware: CPU only (2 cores are enough), with the CPU test stack (`bash scripts/setup_env.sh`); no GPU, no
-network, about 1 GB of memory. Expected time: the default run (build the tiny model, start vLLM, a full
+network, about 1.2 GB of memory. Expected time: the default run (build the tiny model, start vLLM, a full
 sync, then 2 steps of 2 prompts x 4 samples of up to 32 tokens) takes about 35 s on 2 cores (35 s and 36 s
 measured on 2026-12-02 with nothing else running); each step takes about 1.5 s, the rest is imports and
-start-up.
+start-up. The learning run (recipes/learn-cpu.yaml --control: 12 steps of 2 prompts x 4 samples of up to
+16 tokens, twice, LoRA on lm_head only) takes about 22 s: see LEARNING RUN below.
 
-    .venv/bin/python scripts/smoke_cpu.py [--recipe recipes/smoke-cpu.yaml] [--steps K]
+    .venv/bin/python scripts/smoke_cpu.py [--recipe recipes/smoke-cpu.yaml] [--steps K] [--control]
                                           [--output-dir outputs/smoke-cpu] [--seed 0] [--model-dir DIR]
 
 This is a smoke driver: it runs every stage of GRPO + LoRA in one process so that a machine without a GPU
@@ -33,7 +35,27 @@ per step:
    merged model's); over the fp32 tolerance the run stops with exit code 1. The same probe just before
    each sync (engine still on the previous policy) shows the update moved the policy far past tolerance.
 A progress bar per step, a summary table at the end, wandb in offline mode, the LoRA adapter (peft format)
-after every step, and rollouts.jsonl / summary.json; the last lines say where each went.
+after every step, and rollouts.jsonl / summary.json / reward.png (mean reward per step; drawn when
+matplotlib is installed); the last lines say where each went. Every rollout sample has its own vLLM seed
+(from --seed, the step and the sample), so a rerun on the same machine repeats the run.
+
+LEARNING RUN (--control, recipes/learn-cpu.yaml; `bash scripts/run_grpo_lora.sh` without a GPU). The
+reward is rewards/ascii_fraction.py (the share of the response that is ASCII text; the random model writes
+byte noise, about 40% of it ASCII), so every sample is graded and GRPO's advantages are not 0. First the
+control: the same steps, seeds and data, but after step 0's full sync the engine is never synced again, so
+every rollout comes from the initial policy while the trainer still updates its adapter (the table's
+"control reward"; its engine-vs-policy log-prob gap grows each step, the proof it is stale). Then a fresh
+policy with the same LoRA init, a full sync, and the run itself. summary.json gets reward_first /
+reward_last (mean reward of the first and last REWARD_WINDOW steps) and control_reward_first /
+control_reward_last; the control's step k rides in the run's wandb row k under control/... (one run, one
+step axis, both curves); reward.png shows both; the control's rollouts and adapters are in
+<output-dir>/control/. The recipe adapts lm_head alone (its header says why). Measured 2026-12-03 on 2
+shared cores (`bash scripts/run_grpo_lora.sh`, 12 + 12 steps, about 0.3 s a step): 22 s in all at load
+average 2.5 (20-27 s for other seeds; 114 s once while another job loaded the machine), 1.2 GB peak
+memory. First-5 -> last-5 mean reward, synced run / control, seeds 0-3: 0.72 -> 1.00 / 0.38 -> 0.39,
+0.69 -> 1.00 / 0.39 -> 0.38, 0.58 -> 1.00 / 0.44 -> 0.41, 0.64 -> 1.00 / 0.39 -> 0.40 (the synced reward
+reaches 1.0 by step 4-7). Probe after every sync: at most 2.7e-5 (fp32 tolerance 1e-4); it grows as the
+trained logits grow. A rerun with the same seed repeats every number.
 
 Why the LoRA starts non-zero and the loss has a KL term: a random model never writes a \\boxed{} answer,
 so the math reward is 0 for every sample, GRPO's advantages are all 0 and the policy gradient is exactly
@@ -48,7 +70,7 @@ Covers: the data format of scripts/prepare_data.py, OpenRLHF's rollout executor,
 VLM log-probs, GRPO advantages and losses on CPU in fp32; full and delta syncs with the probe after each.
 Does not cover: Ray, DeepSpeed/ZeRO-3 (tests/test_zero3_sync.py), the patched broadcast_to_vllm
 (tests/test_openrlhf_patch.py), bf16, vLLM sleep mode, several engines, gradient accumulation, or
-learning anything: the model is random and the run is a couple of steps.
+learning a real task: the learning run's task is a toy the random model can pick up in a few steps.
 """
 
 from __future__ import annotations
@@ -80,6 +102,9 @@ ADAM_EPS = 1e-8
 REWARD_CLIP_RANGE = (-10.0, 10.0)
 KL_ESTIMATOR = "k3"  # GRPO's KL loss estimator (OpenRLHF's help text for --algo.kl.estimator)
 TRITON_CROSS_ENTROPY = "flash_attn.ops.triton.cross_entropy"
+REWARD_WINDOW = 5  # steps averaged at each end of the run for summary.json's reward_first/reward_last
+CONTROL = "control"  # the control run's metric prefix and its folder in the run folder
+SEED_STRIDE = 1 << 20  # rollout sampling seeds: (seed, step, sample) packed, each below this
 
 
 def _float_pair(value) -> tuple[float, float]:
@@ -97,6 +122,7 @@ RECIPE_KEYS = {
     "max_len": ("data.max_len", int, 512),
     "dataset": ("data.prompt_dataset", str, "data/sample/train.jsonl"),
     "max_samples": ("data.max_samples", int, 4),
+    "num_episodes": ("train.num_episodes", int, 1),
     "reward_file": ("reward.remote_url", str, "rewards/math_answer.py"),
     "lora_rank": ("ds.lora.rank", int, 8),
     "lora_alpha": ("ds.lora.alpha", int, 16),
@@ -132,21 +158,32 @@ class Settings:
     seed: int
     model_dir: Path | None
     recipe: Path | None
+    control: bool = False
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help="read when it exists")
-    parser.add_argument("--steps", type=int, help="default: data.max_samples / rollout.batch_size (2)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="default: data.max_samples / rollout.batch_size x train.num_episodes (2 for smoke-cpu.yaml)",
+    )
     parser.add_argument(
         "--output-dir", type=Path, help="default: the recipe's ckpt.output_dir (outputs/smoke-cpu)"
     )
-    parser.add_argument("--seed", type=int, default=0, help="tiny model weights and LoRA init")
+    parser.add_argument("--seed", type=int, default=0, help="tiny model weights, LoRA init, rollout sampling")
     parser.add_argument(
         "--model-dir", type=Path, help="an existing tiny Qwen2.5-VL checkpoint; default: build one"
     )
     parser.add_argument("--lr", type=float, help="AdamW learning rate of the adapter (recipe: actor.adam.lr)")
     parser.add_argument("--kl-coef", type=float, help="KL loss coefficient (recipe: algo.kl.init_coef)")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="first run the same steps with an engine never synced after its first sync (the no-learning "
+        "control), then the run itself; both reward curves go to summary.json, reward.png and wandb",
+    )
     return parser.parse_args(argv)
 
 
@@ -162,6 +199,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         value = recipe_flags.get(key)
         values[name] = convert(default if value is None else value)
     max_samples = values.pop("max_samples")
+    num_episodes = values.pop("num_episodes")
     # Recipe paths are relative to the repo root (run_grpo_lora.sh runs from there); command-line ones to cwd.
     for name in ("dataset", "reward_file", "output_dir"):
         values[name] = REPO_ROOT / values[name]
@@ -171,11 +209,12 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     return Settings(
-        steps=args.steps or math.ceil(max_samples / values["prompts_per_step"]),
+        steps=args.steps or math.ceil(max_samples / values["prompts_per_step"]) * num_episodes,
         **values,
         seed=args.seed,
         model_dir=args.model_dir.resolve() if args.model_dir else None,
         recipe=recipe,
+        control=args.control,
     )
 
 
@@ -319,20 +358,45 @@ def load_rows(settings: Settings) -> list[dict]:
     return rows
 
 
-def rollout(executor, engine, processor, rows: list[dict], settings: Settings) -> list[dict]:
-    """n executions per prompt, prompt-major (GRPO groups are consecutive), like generate_responses."""
+def sampled_token_ids(tokenizer, config) -> list[int]:
+    """The ids a rollout may sample: the tokenizer's, less the vision placeholders.
+
+    A random model samples any id; a generated image or video pad (or vision start/end) would make the
+    policy's forward look for an image grid the sample does not have (transformers' get_rope_index fails),
+    and ids past the tokenizer (the vocabulary is padded) decode to nothing."""
+    placeholders = {
+        config.image_token_id,
+        config.video_token_id,
+        config.vision_start_token_id,
+        config.vision_end_token_id,
+    }
+    return [token_id for token_id in range(len(tokenizer)) if token_id not in placeholders]
+
+
+def rollout(
+    executor, engine, processor, rows: list[dict], settings: Settings, step: int, allowed_token_ids: list[int]
+) -> list[dict]:
+    """n executions per prompt, prompt-major (GRPO groups are consecutive), like generate_responses.
+
+    Each sample has its own vLLM sampling seed, from (--seed, step, sample): a rerun draws the same
+    samples from the same policy, so the synced run and its control (--control) start identical and
+    differ only by what the engine holds. Only `allowed_token_ids` are sampled (see sampled_token_ids);
+    the engine's log-probs stay those of the whole vocabulary (vLLM's raw log-probs), as the policy's."""
     from vllm import SamplingParams
 
-    # samples_generator.py's parameters, with logprobs on so the engine's own log-probs can be compared.
-    params = SamplingParams(
-        temperature=settings.temperature,
-        top_p=1.0,
-        top_k=-1,
-        max_tokens=settings.max_new_tokens,
-        min_tokens=1,
-        skip_special_tokens=False,
-        logprobs=1,
-    )
+    def params(sample: int) -> SamplingParams:
+        # samples_generator.py's parameters, with logprobs on so the engine's own log-probs can be compared.
+        return SamplingParams(
+            temperature=settings.temperature,
+            top_p=1.0,
+            top_k=-1,
+            max_tokens=settings.max_new_tokens,
+            min_tokens=1,
+            skip_special_tokens=False,
+            logprobs=1,
+            allowed_token_ids=allowed_token_ids,
+            seed=(settings.seed * SEED_STRIDE + step) * SEED_STRIDE + sample,
+        )
 
     async def run_all():
         tasks = [
@@ -341,14 +405,13 @@ def rollout(executor, engine, processor, rows: list[dict], settings: Settings) -
                     row["prompt"], tokenize=False, add_generation_prompt=True
                 ),
                 label=row["label"],
-                sampling_params=params,
+                sampling_params=params(sample),
                 max_length=settings.max_len,
                 hf_tokenizer=processor,
                 llm_engine=engine,
                 images=row["images"],
             )
-            for row in rows
-            for _ in range(settings.samples_per_prompt)
+            for sample, row in enumerate(row for row in rows for _ in range(settings.samples_per_prompt))
         ]
         return await asyncio.gather(*tasks)
 
@@ -546,6 +609,7 @@ def probe_failure(metrics: dict, tolerance: float) -> str | None:
 SUMMARY_COLUMNS = (
     ("step", "step", "{}"),
     ("reward", "reward/mean", "{:.3f}"),
+    ("control reward", f"{CONTROL}/reward/mean", "{:.3f}"),
     ("accuracy", "reward/accuracy", "{:.3f}"),
     ("adv!=0", "advantage/nonzero_fraction", "{:.2f}"),
     ("kl loss", "loss/kl", "{:.2e}"),
@@ -561,24 +625,86 @@ SUMMARY_COLUMNS = (
 
 
 def summary_table(history: list[dict]) -> str:
-    rows = [[title for title, _, _ in SUMMARY_COLUMNS]]
+    """One row per step; a column no step has (the control's without --control) is left out."""
+    columns = [column for column in SUMMARY_COLUMNS if any(column[1] in metrics for metrics in history)]
+    rows = [[title for title, _, _ in columns]]
     for metrics in history:
         row = []
-        for _, key, fmt in SUMMARY_COLUMNS:
+        for _, key, fmt in columns:
             value = metrics.get(key)
             if key == "sync/bytes" and value is not None:
                 value = value / 2**20
             row.append("-" if value is None else fmt.format(value))
         rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(SUMMARY_COLUMNS))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     return "\n".join(
         "  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)) for row in rows
     )
 
 
+def step_rewards(history: list[dict], key: str = "reward/mean") -> list[float]:
+    return [metrics[key] for metrics in history if metrics["step"] >= 1 and key in metrics]
+
+
+def window_means(rewards: list[float]) -> tuple[float | None, float | None]:
+    """Mean reward of the first and of the last REWARD_WINDOW steps (they overlap in a shorter run)."""
+    if not rewards:
+        return None, None
+    first, last = rewards[:REWARD_WINDOW], rewards[-REWARD_WINDOW:]
+    return sum(first) / len(first), sum(last) / len(last)
+
+
+def reward_summary(history: list[dict]) -> dict[str, float | None]:
+    """summary.json's reward_first/reward_last and, after --control, control_reward_first/_last."""
+    summary = dict(zip(("reward_first", "reward_last"), window_means(step_rewards(history)), strict=True))
+    control = step_rewards(history, f"{CONTROL}/reward/mean")
+    if control:
+        first_last = window_means(control)
+        summary.update(zip(("control_reward_first", "control_reward_last"), first_last, strict=True))
+    return summary
+
+
+def plot_rewards(history: list[dict], path: Path, reward_name: str) -> Path | None:
+    """reward.png: mean reward per step of the run and of its control; None without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")  # files only: no display on a CI machine
+    import matplotlib.pyplot as plt
+
+    curves = {
+        "synced: the engine gets every update": step_rewards(history),
+        "control: engine never synced after step 0": step_rewards(history, f"{CONTROL}/reward/mean"),
+    }
+    means = reward_summary(history)
+    title = "GRPO + LoRA on CPU: tiny random Qwen2.5-VL, vLLM-CPU rollouts"
+    if means["reward_first"] is not None:
+        title += f"\nmean of the first/last {REWARD_WINDOW} steps: "
+        title += f"{means['reward_first']:.2f} -> {means['reward_last']:.2f}"
+        if "control_reward_first" in means:
+            title += f", control {means['control_reward_first']:.2f} -> {means['control_reward_last']:.2f}"
+    figure, axes = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    for label, rewards in curves.items():
+        if rewards:
+            axes.plot(range(1, len(rewards) + 1), rewards, marker="o", markersize=3, label=label)
+    axes.set_xlabel("GRPO step")
+    axes.set_ylabel(f"mean reward ({reward_name.replace('_', ' ')})")
+    axes.set_title(title, fontsize=9)
+    axes.xaxis.get_major_locator().set_params(integer=True)
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+    if any(curves.values()):  # a run that stopped before its first step has no curve to label
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
 @dataclasses.dataclass
 class Pipeline:
-    """Everything one GRPO step uses, built once by `build_pipeline`."""
+    """Everything one GRPO step uses, built once by `build_pipeline`; `trainer` gives a fresh policy."""
 
     settings: Settings
     model_dir: Path
@@ -592,51 +718,72 @@ class Pipeline:
     policy_loss_fn: object
     optimizer: object
     rows: list[dict]
+    allowed_token_ids: list[int]
     probe: Probe
     sync_state: object
     checkpoints: Path
 
 
-def build_pipeline(settings: Settings) -> Pipeline:
+def trainer(model_dir: Path, settings: Settings, checkpoints: Path) -> dict:
+    """The Pipeline fields that training changes, as at the start: the seed's LoRA init, a fresh AdamW
+    and a fresh sync state (so the next sync is full)."""
     import torch
+    from openrlhf_lora_sync.plan import SyncState
+
+    policy = build_policy(model_dir, settings)
+    adapter = [param for name, param in policy.named_parameters() if "lora_" in name]
+    return dict(
+        policy=policy,
+        actor=openrlhf_actor(policy),
+        optimizer=torch.optim.AdamW(
+            adapter, lr=settings.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0
+        ),
+        sync_state=SyncState(),
+        checkpoints=checkpoints,
+    )
+
+
+def build_pipeline(settings: Settings, checkpoints: Path) -> Pipeline:
     from openrlhf.models import PolicyLoss
     from openrlhf.utils.agent import SingleTurnAgentExecutor
     from openrlhf_lora_sync.logprob_check import start_engine
-    from openrlhf_lora_sync.plan import SyncState
     from openrlhf_lora_sync.tiny_models import build_tiny_model
     from transformers import AutoProcessor
 
     out = settings.output_dir
-    model_dir = settings.model_dir or build_tiny_model(FAMILY, out / f"tiny-{FAMILY}", seed=settings.seed)
+    model_dir = Path(
+        settings.model_dir or build_tiny_model(FAMILY, out / f"tiny-{FAMILY}", seed=settings.seed)
+    )
     processor = AutoProcessor.from_pretrained(model_dir)
-    policy = build_policy(model_dir, settings)
+    training = trainer(model_dir, settings, checkpoints)
+    config = training["policy"].config
     llm = start_engine(str(model_dir), ENGINE_DTYPE, images_per_prompt=1, max_model_len=settings.max_len)
-    adapter = [param for name, param in policy.named_parameters() if "lora_" in name]
     rows = load_rows(settings)
     return Pipeline(
         settings=settings,
-        model_dir=Path(model_dir),
+        model_dir=model_dir,
         processor=processor,
-        policy=policy,
-        actor=openrlhf_actor(policy),
         llm=llm,
-        engine=BatchingLocalEngine(llm, {policy.config.image_token_id, policy.config.video_token_id}),
+        engine=BatchingLocalEngine(llm, {config.image_token_id, config.video_token_id}),
         # Loads the reward file by path, as OpenRLHF's engine actor does for --reward.remote_url.
         executor=SingleTurnAgentExecutor(remote_rm_url=str(settings.reward_file)),
         maker=experience_maker(settings, processor.tokenizer),
         policy_loss_fn=PolicyLoss(clip_eps_low=settings.clip_eps[0], clip_eps_high=settings.clip_eps[1]),
-        optimizer=torch.optim.AdamW(
-            adapter, lr=settings.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=0.0
-        ),
         rows=rows,
+        allowed_token_ids=sampled_token_ids(processor.tokenizer, config),
         probe=Probe(llm, processor, rows[0]["images"][0]),
-        sync_state=SyncState(),
-        checkpoints=out / "checkpoints",
+        **training,
     )
 
 
-def grpo_step(pipeline: Pipeline, step: int) -> tuple[dict, list[dict]]:
-    """Rollout, experience, update, sync, probe; returns the step's metrics and its rollout records."""
+def save_adapter(pipeline: Pipeline, step: int) -> None:
+    # With LoRA on lm_head (learn-cpu.yaml) peft's default would also save the frozen lm_head and
+    # embeddings in full; only the adapter was trained, and it loads onto the base checkpoint as it is.
+    pipeline.policy.save_pretrained(pipeline.checkpoints / f"step-{step}", save_embedding_layers=False)
+
+
+def grpo_step(pipeline: Pipeline, step: int, sync: bool = True) -> tuple[dict, list[dict]]:
+    """Rollout, experience, update, then (sync=True) sync and probe; returns metrics and rollout records."""
     started = time.perf_counter()
     first_row = (step - 1) * pipeline.settings.prompts_per_step
     row_indices = [(first_row + i) % len(pipeline.rows) for i in range(pipeline.settings.prompts_per_step)]
@@ -646,6 +793,8 @@ def grpo_step(pipeline: Pipeline, step: int) -> tuple[dict, list[dict]]:
         pipeline.processor,
         [pipeline.rows[i] for i in row_indices],
         pipeline.settings,
+        step,
+        pipeline.allowed_token_ids,
     )
     rollout_seconds = time.perf_counter() - started
     batch = make_experience(pipeline.maker, pipeline.actor, responses, pipeline.settings)
@@ -660,8 +809,9 @@ def grpo_step(pipeline: Pipeline, step: int) -> tuple[dict, list[dict]]:
         (param - adapter_before[name]).abs().max().item()
         for name, param in lora_state(pipeline.policy).items()
     )
-    pipeline.policy.save_pretrained(pipeline.checkpoints / f"step-{step}")
-    metrics.update(sync_and_probe(pipeline.policy, pipeline.llm, pipeline.sync_state, pipeline.probe))
+    save_adapter(pipeline, step)
+    if sync:
+        metrics.update(sync_and_probe(pipeline.policy, pipeline.llm, pipeline.sync_state, pipeline.probe))
     metrics["time/rollout_seconds"] = rollout_seconds
     metrics["time/step_seconds"] = time.perf_counter() - started
     return metrics, rollout_records(step, row_indices, responses, batch, pipeline.processor)
@@ -683,15 +833,54 @@ def vllm_errors_only():
         logger.setLevel(level)
 
 
+def train(
+    pipeline: Pipeline, tolerance: float, *, sync: bool, log_step
+) -> tuple[list[dict], list, str | None]:
+    """Step 0 (the first, full sync) and the GRPO steps, with a progress bar; sync=False is the control,
+    whose engine keeps step 0's policy. Returns the history, the rollout records and the probe failure."""
+    from tqdm import tqdm
+
+    save_adapter(pipeline, 0)
+    # Step 0: the engine starts on the base checkpoint (or the other run's policy); the full sync gives it
+    # the LoRA policy at its initialization.
+    history = [
+        {"step": 0, **sync_and_probe(pipeline.policy, pipeline.llm, pipeline.sync_state, pipeline.probe)}
+    ]
+    log_step(history[0])
+    failure = probe_failure(history[0], tolerance)
+    records = []
+    description = "GRPO step" if sync else "control step (engine not synced)"
+    steps = range(1, 1 if failure else pipeline.settings.steps + 1)
+    for step in (progress := tqdm(steps, desc=description, unit="step", file=sys.stdout)):
+        metrics, step_records = grpo_step(pipeline, step, sync=sync)
+        history.append(metrics)
+        records.extend(step_records)
+        log_step(metrics)
+        postfix = {"reward": f"{metrics['reward/mean']:.2f}"}
+        if sync:
+            postfix.update(sync=metrics["sync/mode"], probe=f"{metrics['sync/probe_max_abs_diff']:.1e}")
+            failure = probe_failure(metrics, tolerance)
+        progress.set_postfix(postfix)
+        if failure:
+            break
+    progress.close()
+    return history, records, failure
+
+
+def write_rollouts(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+
+
 def run(settings: Settings, started: float) -> int:
     import wandb
     from openrlhf_lora_sync.logprob_check import LOGPROB_TOLERANCE
-    from tqdm import tqdm
 
     out = settings.output_dir
     out.mkdir(parents=True, exist_ok=True)
     tolerance = LOGPROB_TOLERANCE[ENGINE_DTYPE]
-    pipeline = build_pipeline(settings)
+    control_dir = out / CONTROL
+    pipeline = build_pipeline(settings, (control_dir if settings.control else out) / "checkpoints")
     run_config = {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(settings).items()}
     run_config.update(model_dir=str(pipeline.model_dir), lora_targets=settings.lora_targets)
     wandb_run = wandb.init(
@@ -703,36 +892,39 @@ def run(settings: Settings, started: float) -> int:
         settings=wandb.Settings(silent=True),  # the summary below says where the run went
     )
     wandb_dir = Path(wandb_run.dir).parent
-    history, records = [], []
+    control = {}
     with vllm_errors_only():
-        pipeline.policy.save_pretrained(pipeline.checkpoints / "step-0")
-        # Step 0: the engine starts on the base checkpoint; the first (full) sync gives it the LoRA policy.
-        history.append(
-            {"step": 0, **sync_and_probe(pipeline.policy, pipeline.llm, pipeline.sync_state, pipeline.probe)}
-        )
-        wandb_run.log(numeric(history[0]), step=0)
-        failure = probe_failure(history[0], tolerance)
-        steps = range(1, 1 if failure else settings.steps + 1)
-        for step in (progress := tqdm(steps, desc="smoke GRPO step", unit="step", file=sys.stdout)):
-            metrics, step_records = grpo_step(pipeline, step)
-            history.append(metrics)
-            records.extend(step_records)
-            wandb_run.log(numeric(metrics), step=step)
-            progress.set_postfix(
-                reward=f"{metrics['reward/mean']:.2f}",
-                sync=metrics["sync/mode"],
-                probe=f"{metrics['sync/probe_max_abs_diff']:.1e}",
+        if settings.control:
+            # The control first, so that the run's own steps can carry the control's step k into wandb.
+            control_history, control_records, failure = train(
+                pipeline, tolerance, sync=False, log_step=lambda metrics: None
             )
-            failure = probe_failure(metrics, tolerance)
-            if failure:
-                break
-        progress.close()
-    wandb_run.finish(exit_code=1 if failure else 0)
+            write_rollouts(control_dir / "rollouts.jsonl", control_records)
+            control = {metrics["step"]: numeric(metrics) for metrics in control_history}
+            pipeline = dataclasses.replace(
+                pipeline, **trainer(pipeline.model_dir, settings, out / "checkpoints")
+            )
 
-    (out / "rollouts.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+        def log_step(metrics: dict) -> None:
+            metrics.update(
+                {f"{CONTROL}/{key}": value for key, value in control.get(metrics["step"], {}).items()}
+            )
+            wandb_run.log(numeric(metrics), step=metrics["step"])
+
+        history, records, failure = train(pipeline, tolerance, sync=True, log_step=log_step)
+    rewards = reward_summary(history)
+    wandb_run.summary.update({key: value for key, value in rewards.items() if value is not None})
+    wandb_run.finish(exit_code=1 if failure else 0)
+    # finish() can return before wandb's service process has written the last records to the run file
+    # (seen on a loaded machine: 7 of 13 steps there when the summary below named it); teardown waits.
+    wandb.teardown()
+
+    write_rollouts(out / "rollouts.jsonl", records)
+    plot = plot_rewards(history, out / "reward.png", Path(settings.reward_file).stem)
     summary = {
         "ok": failure is None,
         "failure": failure,
+        **rewards,
         "tolerance": tolerance,
         "settings": run_config,
         "wandb_run_dir": str(wandb_dir),
@@ -741,11 +933,21 @@ def run(settings: Settings, started: float) -> int:
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\n{summary_table(history)}\n")
+    if rewards["reward_first"] is not None:
+        line = f"mean reward, first {REWARD_WINDOW} -> last {REWARD_WINDOW} steps: "
+        line += f"{rewards['reward_first']:.3f} -> {rewards['reward_last']:.3f}"
+        if "control_reward_first" in rewards:
+            line += " (control, engine never synced: "
+            line += f"{rewards['control_reward_first']:.3f} -> {rewards['control_reward_last']:.3f})"
+        print(line)
     print(f"tiny model:           {pipeline.model_dir}")
     final_adapter = pipeline.checkpoints / f"step-{history[-1]['step']}"
     print(f"LoRA adapter (peft):  {final_adapter}  (one per step in {pipeline.checkpoints})")
     print(f"wandb (offline run):  {wandb_dir}  (upload with: wandb sync {wandb_dir})")
     print(f"rollouts:             {out / 'rollouts.jsonl'}")
+    if settings.control:
+        print(f"control:              {control_dir}  (its rollouts and adapters)")
+    print(f"reward plot:          {plot or 'not drawn: matplotlib is not installed'}")
     print(f"summary:              {out / 'summary.json'}")
     print(f"recipe:               {settings.recipe or 'none (built-in defaults)'}")
     print(f"total:                {summary['seconds']:.0f} s")

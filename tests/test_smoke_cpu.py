@@ -18,7 +18,6 @@ the real ones. On 2 cores: about 35 s run alone (mostly importing vLLM, OpenRLHF
 from __future__ import annotations
 
 import json
-import struct
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,48 +40,9 @@ NEGATIVE_CONTROL_MARGIN = 100
 REWARD_METRICS = ("reward/mean", "reward/accuracy", "reward/math_accuracy", "reward/math_no_answer")
 SYNC_METRICS = ("sync/full", "sync/bytes", "sync/seconds", "sync/tensors", "sync/probe_max_abs_diff")
 
-WANDB_LOG_HEADER_BYTES = 7  # ":W&B", a 2-byte magic, a version byte
-WANDB_LOG_BLOCK_BYTES = 32768
-WANDB_CHUNK_HEADER = struct.Struct("<IHB")  # checksum, length, chunk type
-WANDB_LAST_CHUNK_TYPES = (1, 4)  # FULL, LAST (FIRST and MIDDLE continue a record)
-
-
-def wandb_history(run_dir: Path) -> dict[int, dict]:
-    """{step: history row} of an offline wandb run, read from its run-*.wandb transaction log.
-
-    An offline run writes no wandb-summary.json, and wandb 0.31 (whose Go core writes the log) has no
-    Python reader for it. The log is LevelDB's format: 32 KiB blocks of checksummed chunks, a record split
-    across blocks as FIRST/MIDDLE/LAST chunks; each record is a wandb_internal_pb2.Record."""
-    from wandb.proto import wandb_internal_pb2
-
-    (log_file,) = run_dir.glob("run-*.wandb")
-    data = log_file.read_bytes()
-    assert data[:4] == b":W&B", f"{log_file} is not a wandb transaction log"
-    rows, offset, record = {}, WANDB_LOG_HEADER_BYTES, b""
-    while offset + WANDB_CHUNK_HEADER.size <= len(data):
-        left_in_block = WANDB_LOG_BLOCK_BYTES - offset % WANDB_LOG_BLOCK_BYTES
-        if left_in_block < WANDB_CHUNK_HEADER.size:  # a block's tail too short for a header is padding
-            offset += left_in_block
-            continue
-        _, length, chunk_type = WANDB_CHUNK_HEADER.unpack_from(data, offset)
-        offset += WANDB_CHUNK_HEADER.size
-        record += data[offset : offset + length]
-        offset += length
-        if chunk_type not in WANDB_LAST_CHUNK_TYPES:
-            continue
-        parsed = wandb_internal_pb2.Record.FromString(record)
-        record = b""
-        if parsed.WhichOneof("record_type") == "history":
-            row = {
-                item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                for item in parsed.history.item
-            }
-            rows[row["_step"]] = row
-    return rows
-
 
 @pytest.fixture(scope="module")
-def smoke_run(tiny_model_dir, tmp_path_factory):
+def smoke_run(tiny_model_dir, tmp_path_factory, wandb_history):
     """One shortened smoke run, with the reward calls and the engine's generations recorded."""
     from openrlhf.utils.agent import SingleTurnAgentExecutor
     from vllm import LLM
@@ -252,24 +212,3 @@ def test_settings_come_from_the_recipe_and_the_command_line(tmp_path):
         2,
         4,
     )
-
-
-@pytest.mark.slow
-def test_the_main_job_runs_the_smoke_pipeline_without_a_gpu(tmp_path):
-    """`bash scripts/run_grpo_lora.sh` as a user types it on a machine without a GPU (shortened by overrides):
-    no recipe given -> recipes/smoke-cpu.yaml -> scripts/smoke_cpu.py, exit 0 with every probe passing."""
-    import os
-    import subprocess
-
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")  # no GPU here, whatever the host has
-    (tmp_path / "nvidia-smi").chmod(0o755)
-    overrides = ["rollout.batch_size=1", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=4"]
-    overrides += ["data.max_samples=1", "train.batch_size=2", f"ckpt.output_dir={tmp_path / 'out'}"]
-    done = subprocess.run(
-        ["bash", str(smoke_cpu.REPO_ROOT / "scripts" / "run_grpo_lora.sh"), *overrides],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "smoke-cpu.yaml" in done.stderr and "smoke_cpu: OK: 1 steps" in done.stdout
-    assert (tmp_path / "out" / "checkpoints" / "step-1" / "adapter_config.json").is_file()
