@@ -20,8 +20,9 @@ Formulas (bytes; P = all parameters, N = ZeRO world size = trainer GPUs, TP = vL
 G = GPU memory, L_P = LoRA parameters, p = parameters of one module)
 - base weights: 2P (bf16). 4-bit base (`--ds.load_in_4bit`, bitsandbytes NF4 with double quantization):
   every nn.Linear weight except lm_head at 0.5 + 1/64 + 4/(64*256) bytes, everything else bf16.
-- trainer at rest (rollout, sync): base/N under ZeRO-3 (all of it under ZeRO-2; 0 with ZeRO-3 parameter
-  offload), LoRA bf16 weights 2*L_P/N, and when DeepSpeed sleep is off (or Adam is not offloaded)
+- trainer at rest (rollout, sync): base/N under ZeRO-3 (all of it under ZeRO-2; 0 with the trainer base
+  offload, `trainer.offload_params`: ZeRO-3 parameter offload, which also offloads the optimizer),
+  LoRA bf16 weights 2*L_P/N (0 with that offload), and when DeepSpeed sleep is off (or Adam is not offloaded)
   the LoRA optimizer: Adam fp32 master + m + v = 12*L_P/N plus fp32 gradient partitions 4*L_P/N.
   OpenRLHF's `offload_deepspeed_states` moves optimizer states, gradients and fp32 params to CPU but
   not the bf16 parameters (lp_params stays commented out in 0.11.2), so the base shard stays resident.
@@ -32,7 +33,9 @@ G = GPU memory, L_P = LoRA parameters, p = parameters of one module)
   and gradients, roughly 6h + 4I values twice) + 10*V (bf16 logits, OpenRLHF's fp32 copy and its
   gradient). Without gradient checkpointing every layer keeps 24*h + 16*I.
 - reference model (`--algo.kl.init_coef` > 0): another ZeRO-3 shard 2P/N resident throughout (0 with
-  `--ref.offload`, all of 2P under ZeRO-2, whose eval config is stage 0).
+  `--ref.offload`, all of 2P under ZeRO-2, whose eval config is stage 0), and its own process per GPU.
+  With LoRA and `sync.reference_from_base` (this repo's default) the reference is the policy with its
+  adapters disabled: no second model, no process, 0 bytes.
 - vLLM engine, per GPU: weights 2P/TP (vLLM keeps bf16 even under a 4-bit trainer base; replicated
   norms and biases are neglected). Awake, it holds gpu_memory_utilization * G in total: weights,
   profiled activations (8192 batched tokens * 2*(4h + 3*I/TP) + 256 sequences * V * 8 for the sampler's
@@ -49,15 +52,18 @@ G = GPU memory, L_P = LoRA parameters, p = parameters of one module)
   separate vLLM GPU holds its own received copy.
 - every process on a GPU adds 0.5 GiB (CUDA context, NCCL buffers, allocator slack); a phase fits when
   its total stays 0.5 GiB under G (allocator slack).
-- host RAM: vLLM sleep level 1 keeps the weights on CPU (2P per engine), DeepSpeed sleep or Adam
-  offload keeps the LoRA optimizer (16*L_P), parameter offload and `--ref.offload` keep 2P each, and each
-  process needs about 3 GiB of its own.
+- host RAM, for the node (Budget.host_parts): vLLM sleep level 1 keeps the weights on CPU (2P per
+  engine; level 2 discards them), DeepSpeed sleep or an offloaded optimizer keeps the LoRA optimizer
+  (16*L_P), the trainer base offload keeps the base (2P: every rank's pinned shard) and `--ref.offload`
+  the reference (2P), and each process needs about 3 GiB of its own.
 
 Does not cover: vision-tower activations (images through a frozen tower carry no gradients unless LoRA
 targets it), ring attention, sequence packing, MoE models, the MTP head (transformers does not build it;
 vLLM loads it only for speculative decoding), the `make_experience` forward passes (smaller than fit),
 allocator fragmentation beyond that 0.5 GiB, and displays attached to a GPU. These are estimates
-of the order of a GiB, not measurements.
+of the order of a GiB, not measurements. Host RAM leaves out the page cache of reading the checkpoint
+at load time and the memlock limit for pinned memory; time is not estimated at all (the trainer base
+offload copies each rank's shard, 2P/N bytes, host to GPU on every forward and backward).
 """
 
 from __future__ import annotations
@@ -595,11 +601,13 @@ class Settings:
     zero_stage: int = 3
     ds_sleep: bool = True
     adam_offload: bool = False
-    param_offload: bool = False  # ZeRO-3 offload_param to CPU: not an OpenRLHF 0.11.2 flag
+    param_offload: bool = False  # trainer.offload_params: ZeRO-3 parameters and optimizer in host memory
     base_4bit: bool = False  # --ds.load_in_4bit
     lora_rank: int = 64
     lora_targets: str | tuple[str, ...] = "all-linear"
-    reference: str = "gpu"  # "gpu" (--algo.kl.init_coef > 0), "cpu" (--ref.offload) or "none" (kl 0)
+    # "gpu" (--algo.kl.init_coef > 0, upstream), "cpu" (--ref.offload), "base" (the policy with its
+    # adapters disabled: sync.reference_from_base with LoRA) or "none" (KL 0)
+    reference: str = "gpu"
     micro_train_batch_size: int = 1
     max_len: int = 2048  # prompt + response tokens
     gradient_checkpointing: bool = False  # --actor.gradient_checkpointing_enable
@@ -645,8 +653,12 @@ class Budget:
     lora_parameters: int
     phases: list[Phase]
     kv_sequences: float  # sequences of max_len tokens the KV cache holds at once
-    host_bytes: float
+    host_parts: dict[str, float]  # host RAM of the whole node, by what holds it
     gpu_bytes: float
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(self.host_parts.values())
 
     @property
     def usable(self) -> float:
@@ -747,9 +759,11 @@ def estimate(spec: ModelSpec, s: Settings, model_name: str = "") -> Budget:
     sharded = s.zero_stage == 3
 
     base_resident = 0.0 if s.param_offload else (base / n if sharded else base)
-    lora_weights = 2.0 * lora / n if sharded else 2.0 * lora
-    optimizer = 0.0 if s.adam_offload else 12.0 * lora / n
-    gradients = (2.0 if s.adam_offload else 4.0) * lora / n
+    # Parameter offload moves every parameter's partition, the adapters' too.
+    lora_weights = 0.0 if s.param_offload else (2.0 * lora / n if sharded else 2.0 * lora)
+    adam_offloaded = s.adam_offload or s.param_offload  # offload.py offloads the optimizer with the params
+    optimizer = 0.0 if adam_offloaded else 12.0 * lora / n
+    gradients = (2.0 if adam_offloaded else 4.0) * lora / n
     at_rest = {"base shard" if sharded else "base": base_resident, "LoRA weights": lora_weights}
     if not s.ds_sleep:
         at_rest.update({"LoRA optimizer": optimizer, "LoRA gradients": gradients})
@@ -769,7 +783,7 @@ def estimate(spec: ModelSpec, s: Settings, model_name: str = "") -> Budget:
     reference = 0.0
     if s.reference == "gpu":
         reference = 2.0 * p / n if sharded else 2.0 * p
-    if s.reference != "none":
+    if s.reference in ("gpu", "cpu"):
         trainer_processes += 1
 
     vllm_weights = 2.0 * p / s.vllm_tp
@@ -817,15 +831,15 @@ def estimate(spec: ModelSpec, s: Settings, model_name: str = "") -> Budget:
             transient = {"gathered/merged": merge, "bucket": bucket}
             phases.append(Phase(name, "trainer", {**at_rest, **trainer_side, **transient, **processes}))
 
-    host = HOST_PER_PROCESS * (s.vllm_gpus + n * trainer_processes)
+    host = {"processes": HOST_PER_PROCESS * (s.vllm_gpus + n * trainer_processes)}
     if s.vllm_sleep_level == 1:
-        host += 2.0 * p * s.vllm_engines
-    if s.ds_sleep or s.adam_offload:
-        host += 16.0 * lora
+        host["vLLM weights (sleep level 1)"] = 2.0 * p * s.vllm_engines
+    if s.ds_sleep or adam_offloaded:
+        host["LoRA optimizer"] = 16.0 * lora
     if s.param_offload:
-        host += base
+        host["trainer base (offload)"] = base
     if s.reference == "cpu":
-        host += 2.0 * p
+        host["reference (--ref.offload)"] = 2.0 * p
     return Budget(
         model=model_name,
         settings=s,
@@ -833,7 +847,7 @@ def estimate(spec: ModelSpec, s: Settings, model_name: str = "") -> Budget:
         lora_parameters=lora,
         phases=phases,
         kv_sequences=kv_sequences,
-        host_bytes=host,
+        host_parts=host,
         gpu_bytes=g,
     )
 
@@ -841,7 +855,9 @@ def estimate(spec: ModelSpec, s: Settings, model_name: str = "") -> Budget:
 # Knobs tried, in this order, to make a setting fit: cheapest in speed and fidelity first.
 def _knobs(s: Settings) -> list[tuple[str, dict]]:
     knobs = []
-    if s.reference == "gpu":
+    if s.reference in ("gpu", "cpu") and s.lora_rank > 0:
+        knobs.append(("sync.reference_from_base: true (no reference model)", {"reference": "base"}))
+    elif s.reference == "gpu":
         knobs.append(("--ref.offload (or --algo.kl.init_coef 0)", {"reference": "cpu"}))
     if not s.ds_sleep:
         knobs.append(("--ds.enable_sleep", {"ds_sleep": True}))
@@ -854,10 +870,31 @@ def _knobs(s: Settings) -> list[tuple[str, dict]]:
     if s.bucket_mb > 256:
         knobs.append(("sync bucket 256 MB", {"bucket_mb": 256}))
     if s.zero_stage == 3 and not s.param_offload:
-        knobs.append(("ZeRO-3 parameter offload to CPU (the patch must expose it)", {"param_offload": True}))
+        knobs.append(
+            ("trainer.offload_params: true (ZeRO-3 parameter offload to host RAM)", {"param_offload": True})
+        )
     if not s.base_4bit:
         knobs.append(("--ds.load_in_4bit", {"base_4bit": True}))
     return knobs
+
+
+def host_alternatives(spec: ModelSpec, s: Settings) -> list[tuple[str, Budget]]:
+    """The settings that need less host RAM than `s`, each with its estimate: vLLM sleep level 2 instead
+    of 1, no trainer base offload, no CPU copy of the reference."""
+    changes = []
+    if s.vllm_sleep_level == 1:
+        label = "sync.vllm_sleep_level: 2 (vLLM discards its weights while asleep; every sync is then full)"
+        changes.append((label, {"vllm_sleep_level": 2}))
+    if s.param_offload:
+        changes.append(
+            ("trainer.offload_params: false (the trainer's base back on the GPUs)", {"param_offload": False})
+        )
+    if s.reference == "cpu":
+        if s.lora_rank > 0:
+            changes.append(("sync.reference_from_base: true (no reference model)", {"reference": "base"}))
+        else:
+            changes.append(("--algo.kl.init_coef 0 (no reference model)", {"reference": "none"}))
+    return [(label, estimate(spec, replace(s, **change))) for label, change in changes]
 
 
 def best_utilization(spec: ModelSpec, s: Settings) -> float | None:
@@ -921,13 +958,13 @@ OPENRLHF_DEFAULTS = {
     "train.micro_batch_size": 1,
     "actor.gradient_checkpointing_enable": False,
 }
-# This repo's own recipe keys (not OpenRLHF flags), as scripts/render_recipe.py's REPO_KEYS spells them;
-# ds.param_offload is a what-if for --set only (OpenRLHF 0.11.2 has no flag for it).
+# This repo's own recipe keys (not OpenRLHF flags), as scripts/render_recipe.py's REPO_KEYS spells them.
 REPO_KEYS = {
     "vllm_sleep_level": ("sync.vllm_sleep_level",),
     "bucket_mb": ("sync.bucket_mb",),
     "transport": ("sync.transport",),
-    "param_offload": ("ds.param_offload",),
+    "param_offload": ("trainer.offload_params",),
+    "reference_from_base": ("sync.reference_from_base",),
 }
 
 
@@ -953,6 +990,8 @@ def settings_from_flags(flags: dict, gpu_mem_gib: float = 24.0) -> Settings:
     reference = "none"
     if float(get("algo.kl.init_coef")) > 0:
         reference = "cpu" if get("ref.offload") else "gpu"
+        if int(get("ds.lora.rank")) > 0 and bool(repo("reference_from_base", True)):
+            reference = "base"
     sleep_level = int(repo("vllm_sleep_level", 1)) if get("vllm.enable_sleep") else 0
     return Settings(
         gpus=gpus,
@@ -995,7 +1034,9 @@ USER_27B_FLAGS = {
     "ds.zero_stage": 3,
     "algo.advantage.estimator": "group_norm",
 }
-USER_27B = Settings()  # what USER_27B_FLAGS map to (tests/test_memory_budget.py checks)
+# What USER_27B_FLAGS map to under upstream OpenRLHF (with sync.reference_from_base: false; through this
+# repo's patch the KL reference is the base instead: tests/test_memory_budget.py checks both).
+USER_27B = Settings()
 LANGUAGE_ONLY_LORA = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 LEAN = replace(
     USER_27B,
@@ -1009,11 +1050,17 @@ _ONE_GPU = {"gpus": 1, "vllm_tp": 1}
 TABLE_ROWS: list[tuple[str, str, Settings, bool]] = [
     ("user's command as given (KL reference on GPU)", "Qwen/Qwen3.5-27B", USER_27B, False),
     ("27B, KL 0, language-only LoRA", "Qwen/Qwen3.5-27B", LEAN, True),
-    ("27B + ZeRO-3 param offload", "Qwen/Qwen3.5-27B", replace(LEAN, param_offload=True), True),
+    ("27B + trainer base offload", "Qwen/Qwen3.5-27B", replace(LEAN, param_offload=True), True),
     (
-        "27B + param offload, sleep level 2",
+        "27B + trainer base offload, sleep level 2",
         "Qwen/Qwen3.5-27B",
         replace(LEAN, param_offload=True, vllm_sleep_level=2),
+        True,
+    ),
+    (
+        "27B + base offload, sleep level 2, KL from the base",
+        "Qwen/Qwen3.5-27B",
+        replace(LEAN, param_offload=True, vllm_sleep_level=2, reference="base"),
         True,
     ),
     ("27B + 4-bit base", "Qwen/Qwen3.5-27B", replace(LEAN, base_4bit=True), True),
@@ -1082,7 +1129,9 @@ def describe(budget: Budget) -> str:
         parts = ", ".join(f"{name} {gib(size)}" for name, size in phase.parts.items() if size)
         lines.append(f"  {phase.name:7s} ({phase.role}): {gib(phase.total)} GiB = {parts}")
     kv = f"{budget.kv_sequences:.1f} sequences of {s.max_len} tokens"
-    lines.append(f"  KV cache: {kv}; host RAM {gib(budget.host_bytes)} GiB")
+    host = ", ".join(f"{name} {gib(size)}" for name, size in budget.host_parts.items())
+    lines.append(f"  KV cache: {kv}")
+    lines.append(f"  host RAM (node): {gib(budget.host_bytes)} GiB = {host}")
     return "\n".join(lines)
 
 

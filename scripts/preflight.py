@@ -33,7 +33,10 @@ Covers
 - lora_config: openrlhf_lora_sync.config_checks on the recipe (DoRA, no LoRA, the rank against the sync
   mode, ds.lora.target_modules matched by peft against the model built from its config without weights).
 - memory: scripts/memory_budget.py's per-GPU estimate of rollout, train and weight sync; a setting that
-  does not fit FAILs with the numbers and the knobs that make it fit; host RAM against MemTotal.
+  does not fit FAILs with the numbers and the knobs that make it fit.
+- host_memory: the estimator's host RAM for the run (vLLM's weights at sleep level 1, the trainer base
+  offload, the LoRA optimizer, the processes) against MemAvailable in /proc/meminfo; FAILs naming the
+  settings that need less (vLLM sleep level 2, less offload) and whether the GPUs still fit with them.
 
 Does not cover: network reachability (hub, wandb), NCCL itself, the driver/CUDA version match (torch
 reports that on first use), or multi-node setups. Recipes are read as YAML mappings whose keys are
@@ -571,23 +574,14 @@ def _peaks(budget: memory_budget.Budget) -> str:
     )
 
 
-def check_memory(budget: memory_budget.Budget, spec: memory_budget.ModelSpec, meminfo: Path) -> CheckResult:
+def check_memory(budget: memory_budget.Budget, spec: memory_budget.ModelSpec) -> CheckResult:
     summary = f"{budget.model}: per-GPU peaks {_peaks(budget)} GiB of {memory_budget.gib(budget.gpu_bytes)}"
-    host_total = mem_total_bytes(meminfo)
-    host_note = ""
-    if budget.host_bytes > host_total:
-        host_note = (
-            f"; host RAM needs about {memory_budget.gib(budget.host_bytes)} GiB, "
-            f"this machine has {memory_budget.gib(host_total)}"
-        )
     details = {
         "peaks_gib": {f"{p.name}/{p.role}": round(p.total / GIB, 2) for p in budget.phases},
         "kv_sequences": budget.kv_sequences,
     }
     if budget.fits():
-        status = WARN if host_note else PASS
-        fix = "vLLM sleep level 2 (no CPU copy of its weights), or more RAM" if host_note else ""
-        return CheckResult("memory", status, summary + host_note, fix, details)
+        return CheckResult("memory", PASS, summary, "", details)
     fitting = memory_budget.find_fitting(spec, budget.settings)
     if fitting is None:
         fix = "no knob makes it fit: a smaller model (README memory table), more GPUs or larger ones"
@@ -598,8 +592,43 @@ def check_memory(budget: memory_budget.Budget, spec: memory_budget.ModelSpec, me
             f"turn: {'; '.join(changes)} (then {_peaks(after)} GiB per GPU, "
             f"host RAM about {memory_budget.gib(after.host_bytes)} GiB)"
         )
-    summary += " -- " + " | ".join(budget.problems()) + host_note
+    summary += " -- " + " | ".join(budget.problems())
     return CheckResult("memory", FAIL, summary, fix, details)
+
+
+def mem_available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """What the kernel says can be allocated without swapping (MemAvailable), in bytes."""
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError(f"{meminfo} has no MemAvailable line")
+
+
+def check_host_memory(
+    budget: memory_budget.Budget, spec: memory_budget.ModelSpec, meminfo: Path
+) -> CheckResult:
+    gib = memory_budget.gib
+    available = mem_available_bytes(meminfo)
+    parts = ", ".join(f"{name} {gib(size)}" for name, size in budget.host_parts.items())
+    summary = (
+        f"the run needs about {gib(budget.host_bytes)} GiB of host RAM ({parts}); "
+        f"{gib(available)} GiB available (MemAvailable)"
+    )
+    details = {"need_gib": round(budget.host_bytes / GIB, 1), "available_gib": round(available / GIB, 1)}
+    if budget.host_bytes <= available:
+        return CheckResult("host_memory", PASS, summary, details=details)
+    options = []
+    for label, after in memory_budget.host_alternatives(spec, budget.settings):
+        host = "fits" if after.host_bytes <= available else "still too much"
+        failing = [
+            f"{n} {gib(after.phase(n).total)}" for n in ("rollout", "train", "sync") if not after.fits(n)
+        ]
+        gpus = (
+            f"but the GPUs do not fit ({', '.join(failing)} GiB per GPU)" if failing else "the GPUs still fit"
+        )
+        options.append(f"{label}: host RAM {gib(after.host_bytes)} GiB ({host}), {gpus}")
+    options.append("or free host RAM / run on a host with more")
+    return CheckResult("host_memory", FAIL, summary, " | ".join(options), details)
 
 
 # ------------------------------------------------------------------------------- run configuration
@@ -679,6 +708,7 @@ class Plan:
     gpu_mem_gib: float | None = None
     output_dir: Path = Path("outputs")
     stack: str | None = None
+    meminfo: Path = Path("/proc/meminfo")  # where host RAM is read (tests give a fake one)
 
 
 def run_checks(plan: Plan, env: dict | None = None) -> list[CheckResult]:
@@ -700,15 +730,18 @@ def run_checks(plan: Plan, env: dict | None = None) -> list[CheckResult]:
     settings = memory_budget.settings_from_flags(flags, plan.gpu_mem_gib or 24.0) if flags else None
     budget = spec = None
     memory_result = CheckResult("memory", NA, "needs a recipe (or --set) and a model config")
+    host_result = CheckResult("host_memory", NA, "needs a recipe (or --set) and a model config")
     if settings and config:
         if gpus and not plan.gpu_mem_gib:
             settings = replace(settings, gpu_mem_gib=min(gpu.memory_gib for gpu in gpus))
         try:
             spec = memory_budget.model_spec(config)
             budget = memory_budget.estimate(spec, settings, str(model))
-            memory_result = check_memory(budget, spec, Path("/proc/meminfo"))
+            memory_result = check_memory(budget, spec)
+            host_result = check_host_memory(budget, spec, plan.meminfo)
         except ValueError as error:
             memory_result = CheckResult("memory", NA, f"not estimated: {error}")
+            host_result = CheckResult("host_memory", NA, f"not estimated: {error}")
 
     results.append(check_gpus(gpus, source, settings.gpus if settings else None, plan.gpu_mem_gib))
     results.append(check_ptrace_scope())
@@ -733,6 +766,7 @@ def run_checks(plan: Plan, env: dict | None = None) -> list[CheckResult]:
     results.append(model_result)
     results.append(check_packages(plan.stack or ("gpu" if gpus else "cpu")))
     results.append(memory_result)
+    results.append(host_result)
     results.append(check_lora_config(flags, env, model_result.details.get("config") or model))
     return results
 

@@ -100,6 +100,8 @@ REPO_KEYS: dict[str, tuple[str, dict]] = {
     "sync.force_full": ("LORA_SYNC_FORCE_FULL", {"action": "store_true"}),
     "sync.vllm_sleep_level": ("LORA_SYNC_VLLM_SLEEP_LEVEL", {"type": int, "choices": (1, 2)}),
     "sync.probe_every": ("LORA_SYNC_PROBE_EVERY", {"type": int}),
+    "sync.reference_from_base": ("LORA_SYNC_REFERENCE_FROM_BASE", {"action": "store_true"}),
+    "trainer.offload_params": ("LORA_SYNC_OFFLOAD_PARAMS", {"action": "store_true"}),
     "reward.accuracy_weight": ("REWARD_ACCURACY_WEIGHT", {"type": float}),
     "reward.format_weight": ("REWARD_FORMAT_WEIGHT", {"type": float}),
     "reward.answer_format": ("REWARD_ANSWER_FORMAT", {"type": str, "choices": ANSWER_FORMATS}),
@@ -539,8 +541,8 @@ def dry_run(argv: list[str]) -> tuple[SimpleNamespace, list[str]]:
 
 
 def memory_report(flags: dict, gpu_mem_gib: float = 24.0) -> list[str]:
-    """scripts/memory_budget.py's estimate for these flags: the recipe header's memory line, then one line
-    per phase that does not fit."""
+    """scripts/memory_budget.py's estimate for these flags: the recipe header's memory line (GiB per GPU
+    per phase, and host RAM for the node), then one line per phase that does not fit."""
     model = flags.get("actor.model_name_or_path")
     if not model:
         return ["not estimated (no actor.model_name_or_path)"]
@@ -557,7 +559,8 @@ def memory_report(flags: dict, gpu_mem_gib: float = 24.0) -> list[str]:
     )
     failing = [name for name in ("rollout", "train", "sync") if not budget.fits(name)]
     verdict = "fits" if not failing else f"does NOT fit ({', '.join(failing)})"
-    return [f"{peaks} of {memory_budget.gib(budget.usable)} usable; {verdict}", *budget.problems()]
+    usable, host = memory_budget.gib(budget.usable), memory_budget.gib(budget.host_bytes)
+    return [f"{peaks} of {usable} usable; host RAM {host} GiB per node; {verdict}", *budget.problems()]
 
 
 # ---------------------------------------------------------------------------------------------- CLI

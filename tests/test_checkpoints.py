@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from openrlhf_lora_sync.cpu_deepspeed import process_env
 
 ROOT = Path(__file__).resolve().parent.parent
 KILL_RANK = 8192  # ~128 MB of fp32 adapter on the tiny Qwen3: writing it takes long enough to kill midway
@@ -177,31 +177,10 @@ def worker_resume(model_dir: str, ckpt_path: str, out: str) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker_env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "DS_ACCELERATOR": "cpu",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
-        "RANK": "0",
-        "LOCAL_RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_WORLD_SIZE": "1",
-        "OMP_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-
-
 def _start(*args: str, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, __file__, *args],
-        env=_worker_env(),
+        env=process_env(),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=log.open("w"),

@@ -59,9 +59,9 @@ def via_versions(installed: dict, context) -> str | None:
     return "\n".join(map(str, problems)) or None
 
 
-def via_launcher_flags(argv: list[str], context) -> str | None:
+def via_launcher_flags(argv: list[str], context, env: dict | None = None) -> str | None:
     argv = ["--actor.model_name_or_path", str(context["model"]), *argv]
-    fatal = [p for p in config_checks.launch_problems(argv, {}, context["installed"]) if p.fatal]
+    fatal = [p for p in config_checks.launch_problems(argv, env or {}, context["installed"]) if p.fatal]
     return "\n".join(map(str, fatal)) or None
 
 
@@ -117,6 +117,27 @@ CASES = [
         ("pidfd_getfd", "sync.transport: shm"),
     ),
     Case(
+        "trainer base offload without ZeRO-3",
+        via_render,
+        {"trainer.offload_params": True, "ds.zero_stage": 2},
+        {"trainer.offload_params": True},
+        ("ZeRO-3's parameter offload", "set ds.zero_stage: 3", "trainer.offload_params: false"),
+    ),
+    Case(
+        "trainer base offload with a 4-bit base",
+        via_render,
+        {"trainer.offload_params": True, "ds.load_in_4bit": True},
+        {"trainer.offload_params": True},
+        ("4-bit", "remove ds.load_in_4bit"),
+    ),
+    Case(
+        "trainer base offload set in the environment, launcher flags at OpenRLHF's default ZeRO stage",
+        lambda argv, context: via_launcher_flags(argv, context, {"LORA_SYNC_OFFLOAD_PARAMS": "1"}),
+        ["--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj"],
+        ["--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj", "--ds.zero_stage", "3"],
+        ("2 (OpenRLHF's default)", "set ds.zero_stage: 3"),
+    ),
+    Case(
         "flags passed by hand to the launcher",
         via_launcher_flags,
         ["--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj", "--ds.lora.use_dora"],
@@ -144,6 +165,37 @@ def test_bad_configuration_fails_naming_the_fix_and_the_fixed_one_passes(case, c
     missing = [fragment for fragment in case.fix_named if fragment not in failure]
     assert not missing, f"{case.name}: the message lacks {missing}:\n{failure}"
     assert case.check(case.fixed, context) is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "argv"),
+    [
+        ({"ds.zero_stage": 2}, ["--ds.zero_stage", "2"]),
+        ({"ds.load_in_4bit": True}, ["--ds.load_in_4bit"]),
+    ],
+    ids=["zero2", "4bit"],
+)
+def test_offload_refusals_are_the_same_in_render_preflight_and_the_launcher(overrides, argv, context):
+    """One refusal, three entry points: render_recipe (recipe keys), preflight's lora_config check (the
+    recipe) and the launcher (hand-passed flags with LORA_SYNC_OFFLOAD_PARAMS=1 in the environment)."""
+    flags = {**render_recipe.load_recipe(SMOKE), "trainer.offload_params": True, **overrides}
+    problem = str(config_checks.offload_problems(flags, {})[0])
+    assert problem in via_render({"trainer.offload_params": True, **overrides}, context)
+    result = preflight.check_lora_config(flags, {}, str(context["model"]))
+    assert result.status == preflight.FAIL and problem == f"{result.summary}; fix: {result.fix}"
+    launcher_argv = [
+        "--ds.lora.rank",
+        "8",
+        "--ds.lora.target_modules",
+        "q_proj",
+        "--ds.zero_stage",
+        "3",
+        *argv,
+    ]
+    launched = via_launcher_flags(launcher_argv, context, {"LORA_SYNC_OFFLOAD_PARAMS": "1"})
+    assert problem in launched
+    # The same flags without the offload pass all three (4-bit is refused by nothing else here).
+    assert config_checks.offload_problems({**flags, "trainer.offload_params": False}, {}) == []
 
 
 def test_merge_mode_rank_above_a_targets_dimensions_warns_only(context):

@@ -206,7 +206,11 @@ def test_kv_cache_counts_full_attention_layers_and_linear_state(spec_27b):
             lambda base, new, p: (
                 part(new, "sync", "base shard") == 0
                 and part(base, "sync", "base shard") == pytest.approx(2 * p / 4)
+                and part(new, "rollout", "LoRA weights") == 0 < part(base, "rollout", "LoRA weights")
+                # the optimizer goes to the host with the parameters (offload.py)
+                and part(new, "train", "LoRA optimizer") == 0 < part(base, "train", "LoRA optimizer")
                 and new.host_bytes - base.host_bytes == pytest.approx(2 * p)
+                and new.host_parts["trainer base (offload)"] == pytest.approx(2 * p)
             ),
         ),
         (
@@ -214,6 +218,22 @@ def test_kv_cache_counts_full_attention_layers_and_linear_state(spec_27b):
             lambda base, new, p: all(
                 new.phase(n).total - base.phase(n).total == pytest.approx(2 * p / 4 + mb.PROCESS_OVERHEAD)
                 for n in ("rollout", "train", "sync")
+            ),
+        ),
+        (
+            # the policy with its adapters disabled: nothing loaded, no process (reference_policy.py)
+            {"reference": "base"},
+            lambda base, new, p: (
+                [ph.parts for ph in new.phases] == [ph.parts for ph in base.phases]
+                and new.host_parts == base.host_parts
+            ),
+        ),
+        (
+            {"vllm_sleep_level": 2},
+            lambda base, new, p: (
+                base.host_parts["vLLM weights (sleep level 1)"] == pytest.approx(2 * p)
+                and "vLLM weights (sleep level 1)" not in new.host_parts
+                and new.phases == base.phases
             ),
         ),
         (
@@ -250,6 +270,8 @@ def test_kv_cache_counts_full_attention_layers_and_linear_state(spec_27b):
     ids=[
         "param offload",
         "reference",
+        "reference from the base",
+        "sleep level 2",
         "no sleep",
         "shm",
         "zero2",
@@ -307,7 +329,10 @@ def test_openrlhf_defaults_are_those_of_its_parser():
 
 
 def test_the_users_flags_map_to_the_users_setting():
-    assert mb.settings_from_flags(mb.USER_27B_FLAGS) == mb.USER_27B
+    upstream = {**mb.USER_27B_FLAGS, "sync.reference_from_base": False}
+    assert mb.settings_from_flags(upstream) == mb.USER_27B
+    # Through this repo's patch (its default): the KL reference is the policy with its adapters disabled.
+    assert mb.settings_from_flags(mb.USER_27B_FLAGS) == replace(mb.USER_27B, reference="base")
 
 
 @pytest.mark.parametrize(
@@ -318,7 +343,11 @@ def test_the_users_flags_map_to_the_users_setting():
         ({"vllm.enable_sleep": True, "sync.vllm_sleep_level": 2}, {"vllm_sleep_level": 2}),
         ({"vllm.enable_sleep": False, "sync.vllm_sleep_level": 2}, {"vllm_sleep_level": 0}),
         ({"sync.bucket_mb": 128}, {"bucket_mb": 128}),
-        ({"ds.param_offload": True}, {"param_offload": True}),
+        ({"trainer.offload_params": True}, {"param_offload": True}),
+        ({"ds.lora.rank": 8}, {"reference": "base"}),
+        ({"ds.lora.rank": 8, "sync.reference_from_base": False}, {"reference": "gpu"}),
+        ({"ds.lora.rank": 8, "sync.reference_from_base": False, "ref.offload": True}, {"reference": "cpu"}),
+        ({"ds.lora.rank": 8, "algo.kl.init_coef": 0}, {"reference": "none"}),
         ({"ds.lora.target_modules": ["q_proj", "v_proj"]}, {"lora_targets": ("q_proj", "v_proj")}),
         ({"ds.lora.target_modules": ["all-linear"]}, {"lora_targets": "all-linear"}),
         ({"actor.num_gpus_per_node": 2, "vllm.tensor_parallel_size": 2}, {"gpus": 4, "vllm_engines": 1}),
@@ -348,7 +377,24 @@ def test_the_table_answers_which_qwen35_fits_comfortably():
     # Comfortably: training and the full sync leave at least 5 GiB of the 24.
     assert all(nine.phase(name).total < 19 * GIB for name in ("train", "sync"))
     assert not budgets["27B"].fits("sync")
-    assert budgets["27B + ZeRO-3 param offload"].fits()
+    assert budgets["27B + trainer base offload"].fits()
+
+
+def test_host_alternatives_need_less_host_ram(spec_27b):
+    offloaded = replace(LEAN_AT_08, param_offload=True, reference="cpu")
+    budget = mb.estimate(spec_27b, offloaded)
+    alternatives = dict(mb.host_alternatives(spec_27b, offloaded))
+    assert set(alternatives) == {
+        "sync.vllm_sleep_level: 2 (vLLM discards its weights while asleep; every sync is then full)",
+        "trainer.offload_params: false (the trainer's base back on the GPUs)",
+        "sync.reference_from_base: true (no reference model)",
+    }
+    p = spec_27b.total_parameters
+    assert all(budget.host_bytes - after.host_bytes >= 2 * p for after in alternatives.values())
+    # Without offload the trainer's base shard is back on the GPUs, and the 27B no longer fits.
+    assert not alternatives["trainer.offload_params: false (the trainer's base back on the GPUs)"].fits()
+    lean = replace(offloaded, vllm_sleep_level=2, param_offload=False, reference="none")
+    assert mb.host_alternatives(spec_27b, lean) == []
 
 
 def test_cli_table_and_model_dir(tmp_path, capsys):

@@ -143,3 +143,81 @@ def test_vllm_reload_and_lora_manager_internals():
     # install_lora_adapter registers the in-memory adapter in the worker manager's _adapter_manager.
     source = inspect.getsource(_resolve("vllm.lora.worker_manager:LRUCacheWorkerLoRAManager"))
     assert "self._adapter_manager = " in source
+
+
+# Wrapped or replaced by reference_policy.install(), so checked on the upstream objects behind the patch:
+# its group factory reads the first three parameters, the experience maker's wrapper the first five
+# (BasePPOTrainer passes them by position).
+UPSTREAM_SIGNATURES_UNDER_THE_PATCH = {
+    "openrlhf.trainer.ray.launcher:RayActorGroup.__init__": [
+        ("self", inspect.Parameter.empty),
+        ("num_nodes", inspect.Parameter.empty),
+        ("num_gpus_per_node", inspect.Parameter.empty),
+        ("ray_actor_type", inspect.Parameter.empty),
+        ("pg", None),
+        ("num_gpus_per_actor", 1),
+        ("duplicate_actors", 1),
+        ("resources", None),
+        ("num_resources_per_node", None),
+    ],
+    "openrlhf.trainer.ppo_utils.experience_maker:RemoteExperienceMaker.__init__": [
+        ("self", inspect.Parameter.empty),
+        ("actor_model_group", inspect.Parameter.empty),
+        ("critic_model_group", inspect.Parameter.empty),
+        ("reward_model_group", inspect.Parameter.empty),
+        ("initial_model_group", inspect.Parameter.empty),
+        ("kl_controller", inspect.Parameter.empty),
+        ("strategy", inspect.Parameter.empty),
+        ("tokenizer", inspect.Parameter.empty),
+        ("kwargs", inspect.Parameter.empty),
+    ],
+}
+
+
+@pytest.mark.parametrize("path", sorted(UPSTREAM_SIGNATURES_UNDER_THE_PATCH))
+def test_signature_unchanged_under_the_patch(path):
+    # The wrapped upstream function, not the wrapper (another test may have applied the patch already).
+    module_name, _, qualname = path.partition(":")
+    cls_name, _, attr = qualname.partition(".")
+    cls = inspect.unwrap(getattr(importlib.import_module(module_name), cls_name))
+    parameters = inspect.signature(inspect.unwrap(getattr(cls, attr))).parameters.values()
+    assert [(p.name, p.default) for p in parameters] == UPSTREAM_SIGNATURES_UNDER_THE_PATCH[path]
+
+
+def test_policy_actor_forward_takes_what_the_experience_maker_sends():
+    # reference_forward runs upstream's PolicyModelActor.forward with the reference group's batch.
+    actor = _resolve("openrlhf.trainer.ray.ppo_actor:PolicyModelActor").__ray_metadata__.modified_class
+    names = list(inspect.signature(actor.forward).parameters)
+    assert names[:4] == ["self", "sequences", "action_mask", "attention_mask"]
+    assert "mm_train_inputs_list" in names
+
+
+def test_train_ppo_ray_takes_its_groups_from_the_patched_modules():
+    # reference_policy.install() replaces launcher.RayActorGroup and ppo_actor.PolicyModelActor, which
+    # train_ppo_ray imports by name when the launcher runs it; it creates the reference group only with
+    # the KL coefficient on, and the experience maker calls only forward and empty_cache on it.
+    tree = ast.parse(inspect.getsource(importlib.import_module("openrlhf.cli.train_ppo_ray")))
+    imported = {
+        (node.module, alias.name)
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+    assert {
+        ("openrlhf.trainer.ray.launcher", "RayActorGroup"),
+        ("openrlhf.trainer.ray.launcher", "ReferenceModelActor"),
+        ("openrlhf.trainer.ray.ppo_actor", "PolicyModelActor"),
+    } <= imported
+    train_source = inspect.getsource(_resolve("openrlhf.cli.train_ppo_ray:train"))
+    assert "if args.algo.kl.init_coef > 0:\n        ref_model = RayActorGroup(" in train_source
+    maker = _resolve("openrlhf.trainer.ppo_utils.experience_maker:RemoteExperienceMaker")
+    uses = {line.strip() for line in inspect.getsource(maker).splitlines() if "initial_model_group" in line}
+    assert uses == {
+        "initial_model_group: RayActorGroup,",
+        "self.initial_model_group = initial_model_group",
+        "if self.initial_model_group is not None:",
+        "self.initial_model_group,",  # the group argument of _dispatch_forward
+        "if (self.initial_model_group is not None) and (not args.algo.kl.use_loss):",
+    }, uses
+    dispatch = inspect.getsource(maker._dispatch_forward)
+    assert 'method_name="forward"' in dispatch and 'method_name="empty_cache"' in dispatch

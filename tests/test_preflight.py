@@ -11,18 +11,18 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
 
-from scripts import memory_budget, preflight
+from scripts import memory_budget, preflight, render_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 RTX_4090 = preflight.GpuInfo("NVIDIA GeForce RTX 4090", 23.99)
 H100 = preflight.GpuInfo("NVIDIA H100 80GB HBM3", 79.1)
 USER_27B_FLAGS = memory_budget.USER_27B_FLAGS
+RECIPE_27B = ROOT / "recipes" / "qwen3_5-27b-4x4090.yaml"
 
 
 @pytest.mark.parametrize(
@@ -268,24 +268,87 @@ def test_packages_mismatch_names_the_fix(tmp_path):
     assert "torch: installed 2.0.0" in result.summary and result.fix == "bash scripts/setup_env.sh --gpu"
 
 
-def test_memory_fails_for_the_users_27b_with_the_knob(tmp_path):
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       263000000 kB\n")
+def test_memory_fails_for_the_users_27b_with_the_knob():
     spec = memory_budget.model_spec(memory_budget.REFERENCE_CONFIGS["Qwen/Qwen3.5-27B"])
     budget = memory_budget.estimate(spec, memory_budget.settings_from_flags(USER_27B_FLAGS), "27B")
-    result = preflight.check_memory(budget, spec, meminfo)
+    result = preflight.check_memory(budget, spec)
     assert result.status == preflight.FAIL
     assert "sync:" in result.summary and "vLLM weights 12.7" in result.summary
-    assert "parameter offload" in result.fix and "--vllm.gpu_memory_utilization" in result.fix
+    assert "trainer.offload_params: true" in result.fix and "--vllm.gpu_memory_utilization" in result.fix
 
 
-def test_memory_warns_when_host_ram_is_short(tmp_path):
+def fake_meminfo(tmp_path: Path, available_gib: float) -> Path:
     meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       16000000 kB\n")
-    spec = memory_budget.model_spec(memory_budget.REFERENCE_CONFIGS["Qwen/Qwen3.5-9B"])
-    settings = replace(memory_budget.LEAN, gpu_memory_utilization=0.6)
-    result = preflight.check_memory(memory_budget.estimate(spec, settings, "9B"), spec, meminfo)
-    assert result.status == preflight.WARN and "host RAM" in result.summary
+    meminfo.write_text(
+        f"MemTotal:       {int(512 * 2**20)} kB\nMemFree:        1000 kB\n"
+        f"MemAvailable:   {int(available_gib * 2**20)} kB\n"
+    )
+    return meminfo
+
+
+def recipe_27b(*overrides: str) -> dict:
+    return render_recipe.apply_overrides(render_recipe.load_recipe(RECIPE_27B), list(overrides))
+
+
+def host_check(tmp_path: Path, flags: dict, available_gib: float) -> preflight.CheckResult:
+    spec = memory_budget.model_spec(memory_budget.REFERENCE_CONFIGS[flags["actor.model_name_or_path"]])
+    budget = memory_budget.estimate(spec, memory_budget.settings_from_flags(flags), "27B")
+    return preflight.check_host_memory(budget, spec, fake_meminfo(tmp_path, available_gib))
+
+
+def test_host_memory_against_memavailable(tmp_path):
+    flags = recipe_27b()
+    passed = host_check(tmp_path, flags, 100)
+    assert passed.status == preflight.PASS
+    assert "81.9 GiB of host RAM" in passed.summary and "trainer base (offload) 51.0" in passed.summary
+    assert "100.0 GiB available" in passed.summary
+    # Negative control: the same run on a host with 60 GiB available fails, naming less offload and what
+    # that does to the GPUs.
+    failed = host_check(tmp_path, flags, 60)
+    assert failed.status == preflight.FAIL
+    assert "trainer.offload_params: false" in failed.fix and "the GPUs do not fit (rollout" in failed.fix
+    assert "sync.vllm_sleep_level: 2" not in failed.fix  # the recipe is at level 2 already
+
+
+def test_host_memory_at_sleep_level_1_names_level_2(tmp_path):
+    result = host_check(tmp_path, recipe_27b("sync.vllm_sleep_level=1"), 100)
+    assert result.status == preflight.FAIL and "vLLM weights (sleep level 1) 51.0" in result.summary
+    level_2 = next(
+        option for option in result.fix.split(" | ") if option.startswith("sync.vllm_sleep_level: 2")
+    )
+    assert "host RAM 81.9 GiB (fits), the GPUs still fit" in level_2
+    assert host_check(tmp_path, recipe_27b("sync.vllm_sleep_level=1"), 140).status == preflight.PASS
+
+
+def test_the_27b_recipe_passes_preflight_on_4_rtx_4090s_with_enough_host_ram(tmp_path, monkeypatch):
+    """run_checks on the 27B recipe with a stand-in nvidia-smi listing four 24 GB RTX 4090s (as
+    test_gpus_from_nvidia_smi_when_torch_sees_none fakes them) and a fake /proc/meminfo. The lora_config
+    check is left out (it builds the 27B on the meta device, about a minute on 2 cores):
+    tests/test_config_checks.py::test_shipped_recipes_target_modules_that_exist runs it on this recipe."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + "echo 'NVIDIA GeForce RTX 4090, 24564'\n" * 4)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    if preflight.detect_gpus()[1] == "torch.cuda":
+        pytest.skip("torch sees a real GPU here")
+    monkeypatch.setattr(
+        preflight, "check_lora_config", lambda *args: preflight.CheckResult("lora_config", preflight.NA, "")
+    )
+
+    def checks(available_gib: float, *overrides: str) -> dict[str, preflight.CheckResult]:
+        plan = preflight.Plan(
+            recipe_27b(*overrides), stack="cpu", meminfo=fake_meminfo(tmp_path, available_gib)
+        )
+        return {result.name: result for result in preflight.run_checks(plan, env={"HOME": str(tmp_path)})}
+
+    results = checks(100)
+    assert results["gpus"].status == preflight.PASS and results["gpus"].details["count"] == 4
+    assert results["memory"].status == preflight.PASS, results["memory"].summary
+    assert results["host_memory"].status == preflight.PASS, results["host_memory"].summary
+    # Negative controls: too little host RAM, and the run without the trainer base offload.
+    assert checks(60)["host_memory"].status == preflight.FAIL
+    assert checks(100, "trainer.offload_params=false")["memory"].status == preflight.FAIL
 
 
 def run_cli(*args, env=None):
@@ -321,6 +384,7 @@ def test_cli_reports_every_check_and_fails_on_a_denied_probe_with_expandable_seg
         "model",
         "packages",
         "memory",
+        "host_memory",
         "transport",
         "lora_config",
     }
@@ -336,6 +400,6 @@ def test_cli_with_the_users_recipe(tmp_path):
     lines = completed.stdout.splitlines()
     memory = next(line for line in lines if line.startswith("FAIL  memory"))
     assert "Qwen/Qwen3.5-27B" in memory
-    assert any("parameter offload" in line for line in lines)
-    assert lines[-1].startswith("preflight: 14 checks")
+    assert any("trainer.offload_params: true" in line for line in lines)
+    assert lines[-1].startswith("preflight: 15 checks")
     assert completed.returncode == 1

@@ -7,7 +7,7 @@ keys, types, choices and switches fail naming the key; overrides, switches (stor
 lists (nargs) and null map to the right flags; OpenRLHF's and upstream train()'s layout checks reject bad
 layouts; the repo keys become the environment variables the patch and the reward read; wandb modes; the
 run script's --dry-run prints the launch command without importing Ray, vLLM, torch or DeepSpeed, picks
-the default recipe by GPU presence, and refuses the not-yet-built CPU smoke run with exit code 3.
+the default recipe by GPU presence (without one, the CPU learning run).
 Does not cover: running a recipe (no GPU here) or preflight's checks (tests/test_preflight.py).
 """
 
@@ -24,6 +24,7 @@ from openrlhf_lora_sync.tiny_models import FAMILIES, build_config
 from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 
+from rewards import reward_file
 from scripts import memory_budget, preflight
 from scripts import render_recipe as rr
 
@@ -85,7 +86,9 @@ def test_recipe_passes_openrlhfs_own_parser(recipe):
     assert args.algo.advantage.estimator == "group_norm"
     assert args.ds.lora.rank > 0 and args.ds.zero_stage == 3
     assert args.data.max_images_per_prompt == 1 and args.critic.model_name_or_path is None
-    assert args.reward.remote_url == ["rewards/math_answer.py"]
+    # The math reward, except the CPU learning run's task (rewards/ascii_fraction.py): a registered file.
+    expected = "ascii_fraction" if recipe.stem == "learn-cpu" else "math_answer"
+    assert [ROOT / url for url in args.reward.remote_url] == [reward_file(expected)]
     assert args.actor.model_name_or_path == flags["actor.model_name_or_path"]
 
 
@@ -118,16 +121,34 @@ def test_lora_targets_every_language_model_linear_and_no_vision_module(recipe):
     lora = LoraConfig(target_modules=flags["ds.lora.target_modules"])
     linears = {(group.part, name) for group in spec.modules if group.linear for name in group.names()}
     matched = {(part, name) for part, name in linears if check_target_module_exists(lora, name)}
-    assert {part for part, _ in matched} == {"layers"}
-    assert matched == {(part, name) for part, name in linears if part == "layers"}
+    # The CPU learning run adapts lm_head alone, on purpose (its header says why).
+    parts = {"lm_head"} if recipe.stem == "learn-cpu" else {"layers"}
+    assert {part for part, _ in matched} == parts
+    assert matched == {(part, name) for part, name in linears if part in parts}
 
 
-def test_the_users_27b_recipe_keeps_their_flags_and_says_it_does_not_fit():
-    flags = rr.load_recipe(ROOT / "recipes" / "qwen3_5-27b-4x4090.yaml")
-    command = " ".join(rendered(flags).argv)
-    for flag in USERS_FLAGS:
+def test_the_users_27b_recipe_keeps_their_flags_and_kl_and_fits_with_the_offload():
+    flags = recipe_flags("qwen3_5-27b-4x4090.yaml")
+    result = rendered(flags)
+    command = " ".join(result.argv)
+    for flag in [*USERS_FLAGS, "--algo.kl.init_coef 0.01"]:
         assert f"{flag} " in command + " ", flag
-    assert "does NOT fit" in rr.memory_report(flags)[0]
+    assert result.env["LORA_SYNC_OFFLOAD_PARAMS"] == "1" and result.env["LORA_SYNC_VLLM_SLEEP_LEVEL"] == "2"
+    assert result.env["LORA_SYNC_REFERENCE_FROM_BASE"] == "1"
+    headline = rr.memory_report(flags)[0]
+    assert headline.endswith("; fits") and "host RAM 81.9 GiB per node" in headline
+    # Negative controls: without the offload, or with upstream's reference model, it does not fit.
+    for override in ("trainer.offload_params=false", "sync.reference_from_base=false"):
+        assert "does NOT fit" in rr.memory_report(recipe_flags("qwen3_5-27b-4x4090.yaml", override))[0]
+
+
+@pytest.mark.parametrize("overrides", [(), ("algo.kl.init_coef=0.01",)])
+def test_run_script_dry_run_says_the_27b_recipe_fits(tmp_path, overrides):
+    done = run_script(tmp_path, str(ROOT / "recipes" / "qwen3_5-27b-4x4090.yaml"), *overrides, "--dry-run")
+    assert done.returncode == 0, done.stderr
+    memory = [line for line in done.stdout.splitlines() if line.startswith(rr.MEMORY_LINE_PREFIX)]
+    assert len(memory) == 1 and memory[0].endswith("; fits"), done.stdout
+    assert "--algo.kl.init_coef 0.01" in done.stdout and "LORA_SYNC_OFFLOAD_PARAMS=1" in done.stdout
 
 
 # ------------------------------------------------------------------------------------ bad recipes
@@ -167,6 +188,7 @@ def test_cli_exits_nonzero_naming_the_bad_key_and_type(tmp_path, capsys):
         ("sync.bucket_mb", "big", "expected int"),
         ("reward.answer_format", "latex", "is not one of"),
         ("sync.force_full", 1, "expected true or false"),
+        ("trainer.offload_params", "yes", "expected true or false"),
     ],
 )
 def test_wrong_value_fails_naming_the_key_and_what_it_takes(key, value, expected):
@@ -287,13 +309,18 @@ def test_repo_keys_become_environment_variables_and_never_flags():
         "LORA_SYNC_FORCE_FULL": "1",
         "LORA_SYNC_VLLM_SLEEP_LEVEL": "2",
         "LORA_SYNC_PROBE_EVERY": "1",
+        "LORA_SYNC_REFERENCE_FROM_BASE": "1",
+        "LORA_SYNC_OFFLOAD_PARAMS": "0",
     }
     repo_flags = [token for token in result.argv if token[2:] in rr.REPO_KEYS]
     assert not repo_flags
 
 
 def test_repo_keys_match_what_their_readers_accept():
+    from openrlhf_lora_sync import offload
     from openrlhf_lora_sync.transport import TRANSPORT_CHOICES
+
+    assert rr.REPO_KEYS[offload.RECIPE_KEY][0] == offload.ENV
 
     parser, _ = rr.openrlhf_parser()
     assert not [key for key in rr.REPO_KEYS if f"--{key}" in parser._option_string_actions]
@@ -397,10 +424,10 @@ def test_run_script_defaults_to_the_gpu_recipe_when_a_gpu_is_listed(tmp_path):
     assert "qwen2_5_vl-7b-4x4090" in done.stderr and "Qwen/Qwen2.5-VL-7B-Instruct" in done.stdout
 
 
-def test_run_script_without_gpu_or_recipe_picks_the_cpu_smoke_recipe(tmp_path):
+def test_run_script_without_gpu_or_recipe_picks_the_cpu_learning_recipe(tmp_path):
     done = run_script(tmp_path, "--dry-run", gpu=False)
     assert done.returncode == 0, done.stderr
-    assert "smoke-cpu.yaml" in done.stderr and "nothing started" in done.stdout
+    assert "learn-cpu.yaml" in done.stderr and "nothing started" in done.stdout
 
 
 def test_sync_bucket_default_is_the_same_in_the_recipe_the_patch_and_the_memory_budget():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from openrlhf_lora_sync.cpu_deepspeed import free_port, process_env
 
 FAMILY = "qwen2_5_vl"
 LORA_TARGETS = r".*language_model.*\.(q_proj|v_proj|up_proj)"
@@ -139,31 +139,13 @@ def run_worker(model_dir: str, adapter_dir: str, out_dir: str) -> None:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run_world(world_size: int, model_dir: Path, adapter_dir: Path, out_dir: Path) -> dict[str, torch.Tensor]:
     """Start `world_size` worker processes on this file and return rank 0's synced tensors."""
     out_dir.mkdir(parents=True)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world_size):
-        env = {
-            **os.environ,
-            "DS_ACCELERATOR": "cpu",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            # One thread per worker: same matmul kernels on every rank, and 2 cores are shared.
-            "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
+        env = process_env(rank, world_size, port)
         log = open(out_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below, after the process ends
         cmd = [sys.executable, __file__, "--worker", str(model_dir), str(adapter_dir), str(out_dir)]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))

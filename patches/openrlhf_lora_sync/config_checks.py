@@ -22,6 +22,9 @@ Covers
   refuse when built: merge.check_supported_adapters (convolutions, embeddings) in merge mode,
   adapter_mode.check_adapter_mode_supported (also: the vision tower, families not verified) in adapter
   mode.
+- Trainer base offload (trainer.offload_params / LORA_SYNC_OFFLOAD_PARAMS, offload.py) with a ZeRO stage
+  other than 3 (parameter offload is ZeRO-3's; OpenRLHF's default is 2) or with --ds.load_in_4bit
+  (bitsandbytes' 4-bit weights are not ZeRO-3 parameters DeepSpeed can offload).
 - OpenRLHF/vLLM releases other than the pinned ones (openrlhf_patch.check_versions).
 Does not cover: host checks (the transport the host forbids is preflight's `transport` check, which
 needs its pidfd_getfd probe), nor whether the model fits (memory_budget.py).
@@ -31,6 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from openrlhf_lora_sync import offload
 
 SYNC_MODES = ("merge", "adapter")
 LORA_OPTION_KEYS = ("ds.lora.alpha", "ds.lora.target_modules", "ds.lora.dropout")
@@ -63,6 +68,11 @@ def setting(flags: Mapping, env: Mapping, key: str, env_name: str, default: str)
 
 def sync_mode(flags: Mapping, env: Mapping) -> str:
     return setting(flags, env, "sync.mode", "LORA_SYNC_MODE", "merge")
+
+
+def offload_params(flags: Mapping, env: Mapping) -> bool:
+    """trainer.offload_params (true/false in a recipe), else LORA_SYNC_OFFLOAD_PARAMS (1/0)."""
+    return setting(flags, env, offload.RECIPE_KEY, offload.ENV, "0") in ("1", "True", "true")
 
 
 def lora_rank(flags: Mapping) -> int | None:
@@ -116,9 +126,35 @@ def non_lora_problems(flags: Mapping, env: Mapping) -> list[ConfigProblem]:
     ]
 
 
+def offload_problems(flags: Mapping, env: Mapping) -> list[ConfigProblem]:
+    if not offload_params(flags, env):
+        return []
+    problems = []
+    stage = flags.get("ds.zero_stage")
+    if str(stage) != "3":
+        shown = "2 (OpenRLHF's default)" if stage is None else stage
+        problems.append(
+            ConfigProblem(
+                offload.RECIPE_KEY,
+                f"trainer base offload is ZeRO-3's parameter offload, and ds.zero_stage is {shown}",
+                f"set ds.zero_stage: 3, or {offload.RECIPE_KEY}: false",
+            )
+        )
+    if flags.get("ds.load_in_4bit") not in (None, False, "False", "false"):
+        problems.append(
+            ConfigProblem(
+                offload.RECIPE_KEY,
+                "trainer base offload cannot move a 4-bit base: bitsandbytes' quantized weights are not "
+                "ZeRO-3 parameters DeepSpeed can offload (and merge-then-sync merges LoRA on nn.Linear only)",
+                f"remove ds.load_in_4bit, or set {offload.RECIPE_KEY}: false",
+            )
+        )
+    return problems
+
+
 def flag_problems(flags: Mapping, env: Mapping) -> list[ConfigProblem]:
     """The checks that need only the flags and import nothing heavy (scripts/render_recipe.py runs them)."""
-    return [*dora_problems(flags), *non_lora_problems(flags, env)]
+    return [*dora_problems(flags), *non_lora_problems(flags, env), *offload_problems(flags, env)]
 
 
 def adapter_rank_problems(flags: Mapping, env: Mapping) -> list[ConfigProblem]:

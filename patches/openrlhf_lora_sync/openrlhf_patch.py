@@ -19,7 +19,11 @@ What it changes:
   `WorkerWrap`; gains `lora_sync_rpc` (collective_rpc to its workers) and `reset_all_caches` (prefix,
   multimodal and encoder caches through the engine, which knows its scheduler); `sleep` honours
   LORA_SYNC_VLLM_SLEEP_LEVEL (2 discards weights, so every following sync is full); in adapter sync mode
-  it starts vLLM with LoRA enabled and every request it submits carries the adapter installed last.
+  it starts vLLM with LoRA enabled and every request it submits carries the adapter installed last;
+- the KL reference (reference_policy.py): no reference model group; the policy actors compute the
+  reference log-probs with their adapters disabled;
+- with LORA_SYNC_OFFLOAD_PARAMS=1, the policy actor's ZeRO-3 config (offload.py): parameters and
+  optimizer in pinned host memory.
 
 Settings, read from the environment (the launcher forwards them to every Ray worker):
   LORA_SYNC_TRANSPORT     auto | shm | cuda_ipc | broadcast   (auto: shm for engines colocated with the
@@ -36,6 +40,10 @@ Settings, read from the environment (the launcher forwards them to every Ray wor
                           It logs sync/probe_max_abs_diff, sync/probe_mean_abs_diff, sync/probe_seconds
                           and stops the run with ProbeFailed above the threshold
   LORA_SYNC_PROBE_THRESHOLD  the probe's max abs logprob diff limit, default probe.PROBE_THRESHOLD[bf16]
+  LORA_SYNC_REFERENCE_FROM_BASE  1 (default): with --algo.kl.init_coef > 0 the KL reference is the policy
+                          with its adapters disabled, no reference model is loaded; 0: upstream's reference
+  LORA_SYNC_OFFLOAD_PARAMS  1: the policy's ZeRO-3 parameters and optimizer live in pinned host memory
+                          (offload.py); 0 (default): upstream's config
   LORA_SYNC_RUN_ID        names this run's /dev/shm bucket files (the launcher sets it and removes the
                           files when training ends)
 
@@ -54,6 +62,7 @@ from pathlib import Path
 import tomllib
 
 logger = logging.getLogger("openrlhf_lora_sync")
+logger.setLevel(logging.INFO)  # the per-sync summary is INFO; apply() gives it a handler
 
 PINS_FILE = Path(__file__).resolve().parents[2] / "versions.toml"
 _APPLIED_MARK = "_openrlhf_lora_sync_patched"
@@ -232,7 +241,7 @@ def lora_broadcast_to_vllm(self) -> None:
             state.weights_lost("the post-sync probe failed")
             raise
     if rank == 0:
-        logger.warning("%s", stats)
+        logger.info("%s", stats)
     self._lora_sync_last_stats = stats
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -362,19 +371,26 @@ def apply() -> None:
     """Patch OpenRLHF in this process (idempotent). Raises UnsupportedVersionError on other releases."""
     from openrlhf.trainer.ray import ppo_actor, vllm_engine
     from openrlhf.utils.deepspeed import DeepspeedStrategy
+    from openrlhf.utils.logging_utils import init_logger
 
+    from openrlhf_lora_sync import offload, reference_policy
     from openrlhf_lora_sync.checkpoint import atomic_save_model
 
     trainer_cls = ppo_actor.ActorPPOTrainer
     if getattr(trainer_cls, _APPLIED_MARK, False):
         return
     check_versions()
+    # OpenRLHF's own handler (INFO, stdout, its format): the one summary line per sync is in the run's log
+    # at INFO, next to OpenRLHF's lines, and warnings stay for what needs action.
+    init_logger(logger.name)
     trainer_cls.broadcast_to_vllm = lora_broadcast_to_vllm
     trainer_cls.__init__ = _checking_adapters_at_start(trainer_cls.__init__)
     trainer_cls.ppo_train = _with_sync_metrics(trainer_cls.ppo_train)
     DeepspeedStrategy.save_model = atomic_save_model(DeepspeedStrategy.save_model)
     # create_vllm_engines looks RolloutRayActor up in its module when it runs.
     vllm_engine.RolloutRayActor = _lora_engine_actor(vllm_engine.RolloutRayActor)
+    reference_policy.install()  # KL reference = the policy with its adapters disabled (reference_policy.py)
+    offload.install()  # LORA_SYNC_OFFLOAD_PARAMS=1: the policy's parameters in pinned host memory
     setattr(trainer_cls, _APPLIED_MARK, True)
 
 
