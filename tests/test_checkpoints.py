@@ -208,11 +208,11 @@ def _wait_for_line(proc: subprocess.Popen, wanted: str, log: Path) -> None:
 
 
 def _peft_lora(model_dir: Path, adapter_dir: Path) -> dict[str, torch.Tensor]:
-    from peft import PeftModel
+    from openrlhf_lora_sync.adapter_check import load_checked_adapter
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, adapter_dir)
+    model = load_checked_adapter(base, adapter_dir)  # a save that lost tensors is refused, not half-loaded
     return {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
 
 

@@ -78,7 +78,7 @@ def _sync_once(engine) -> dict[str, torch.Tensor]:
 def run_worker(model_dir: str, adapter_dir: str, out_dir: str) -> None:
     """One rank: load base + adapter, wrap in ZeRO-3, sync twice, rank 0 saves the tensors."""
     import deepspeed
-    from peft import PeftModel
+    from openrlhf_lora_sync.adapter_check import load_checked_adapter
     from transformers import AutoModelForImageTextToText
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -86,7 +86,7 @@ def run_worker(model_dir: str, adapter_dir: str, out_dir: str) -> None:
     out = Path(out_dir)
 
     base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)
+    model = load_checked_adapter(base, adapter_dir, is_trainable=True)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -210,12 +210,12 @@ def _make_adapter(model_dir: Path, adapter_dir: Path) -> None:
 
 def _peft_merged_reference(model_dir: Path, adapter_dir: Path, out_dir: Path) -> dict[str, torch.Tensor]:
     """peft's merge_and_unload, saved by transformers: values and names independent of merge.py."""
-    from peft import PeftModel
+    from openrlhf_lora_sync.adapter_check import load_checked_adapter
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
     base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged = load_checked_adapter(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(out_dir)
     return load_file(str(out_dir / "model.safetensors"))
 
