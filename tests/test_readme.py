@@ -23,7 +23,10 @@ def test_pin_table_matches_versions_toml():
 def test_recipe_memory_table_is_the_estimators():
     from scripts import render_recipe
 
-    recipes = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.stem not in ("base", "smoke-cpu"))
+    # The CPU recipes (smoke-cpu, learn-cpu) use no GPU, and their tiny model exists only once a run built it.
+    recipes = sorted(
+        p for p in (ROOT / "recipes").glob("*.yaml") if p.stem != "base" and not p.stem.endswith("-cpu")
+    )
     for recipe in recipes:
         line = f"| {recipe.name} | {render_recipe.memory_report(render_recipe.load_recipe(recipe))[0]} |"
         assert line in README, f"README's memory row for {recipe.name} is stale; expected {line}"
