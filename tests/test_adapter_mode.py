@@ -29,35 +29,22 @@ import torch
 from openrlhf_lora_sync import adapter_mode, probe
 from openrlhf_lora_sync.adapter_mode import AdapterSyncState, lora_request_for, sync_adapter
 from openrlhf_lora_sync.bucket import ALIGNMENT
-from openrlhf_lora_sync.logprob_check import (
+from openrlhf_lora_sync.merge import UnsupportedAdapterError, iter_effective_checkpoint_tensors, sync_units
+from openrlhf_lora_sync.sync import LocalEngines
+from openrlhf_lora_sync.testing.logprob_check import (
     LOGPROB_TOLERANCE,
     hf_prompt_logprobs,
     max_abs_diff,
     vllm_prompt_logprobs,
 )
-from openrlhf_lora_sync.merge import UnsupportedAdapterError, iter_effective_checkpoint_tensors, sync_units
-from openrlhf_lora_sync.sync import LocalEngines
-from openrlhf_lora_sync.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
+from openrlhf_lora_sync.testing.policies import lora_policy
+from openrlhf_lora_sync.testing.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
 from openrlhf_lora_sync.worker_extension import WeightSyncError
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parent.parent
-# The language model's linear layers of every family (Qwen2.5-VL's vision MLPs share the bare names).
-LANGUAGE_LINEARS = (
-    r"^(?!.*visual).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
-    r"|in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj)$"
-)
 TOKENS = torch.randint(0, BYTE_VOCAB_SIZE, (48,), generator=torch.Generator().manual_seed(1)).tolist()
-
-
-def lora_policy(family: str, model_dir, target_modules=LANGUAGE_LINEARS, seed: int = 0, **lora_options):
-    spec = FAMILIES[family]
-    auto_cls = AutoModelForImageTextToText if spec.is_vlm else AutoModelForCausalLM
-    base = auto_cls.from_pretrained(model_dir, dtype=getattr(torch, spec.dtype))
-    torch.manual_seed(seed)
-    options = {"r": 8, "lora_alpha": 16, "init_lora_weights": False, **lora_options}
-    return get_peft_model(base, LoraConfig(target_modules=target_modules, **options))
 
 
 def engine_diff(llm, policy, lora_request) -> float:
@@ -86,7 +73,7 @@ class RecordingEngines(LocalEngines):
 
 def test_verify_sync_adapter_mode_refuses_a_vision_tower_adapter(tiny_model_dir, tmp_path):
     family = "qwen2_5_vl"
-    lora_policy(family, tiny_model_dir(family), r".*visual.*attn\.(qkv|proj)").save_pretrained(tmp_path)
+    lora_policy(tiny_model_dir(family), r".*visual.*attn\.(qkv|proj)").save_pretrained(tmp_path)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "verify_sync.py"), "--model", str(tiny_model_dir(family))]
         + ["--adapter", str(tmp_path), "--mode", "adapter"],
@@ -105,7 +92,7 @@ def test_steady_state_sends_the_adapter_alone_and_follows_training(
     llm = adapter_engine(family)
     tolerance = LOGPROB_TOLERANCE[FAMILIES[family].dtype]
     dtype = getattr(torch, FAMILIES[family].dtype)
-    policy = lora_policy(family, tiny_model_dir(family))
+    policy = lora_policy(tiny_model_dir(family))
     engines, state = RecordingEngines(llm), AdapterSyncState()
     assert engine_diff(llm, policy, None) > 10 * tolerance  # the base alone is another policy
 
@@ -133,11 +120,29 @@ def test_steady_state_sends_the_adapter_alone_and_follows_training(
     assert not probe.run_probe(policy, engines, dtype_name).ok
 
 
+def test_a_shared_lora_engine_is_handed_to_the_next_test_without_the_adapter(
+    _lora_engines, tiny_model_dir, adapter_engine
+):
+    """The fixture layer (conftest.py): the next test's first ask gets the engine with no adapter and the
+    base computing the checkpoint, whatever adapter this test installed."""
+    family = "qwen3"
+    llm = adapter_engine(family)
+    tolerance = LOGPROB_TOLERANCE[FAMILIES[family].dtype]
+    policy = lora_policy(tiny_model_dir(family), seed=5)
+    state = AdapterSyncState()
+    sync_adapter(policy, LocalEngines(llm), state, dtype=torch.float32)
+    assert llm.collective_rpc("lora_adapter_ids") == [[state.lora_id]]  # the control: this test left one
+    assert _lora_engines.known_state((family, FAMILIES[family].dtype)) is llm  # the next test's first ask
+    assert llm.collective_rpc("lora_adapter_ids") == [[]]
+    base = copy.deepcopy(policy).unload().eval()
+    assert max_abs_diff(vllm_prompt_logprobs(llm, TOKENS), hf_prompt_logprobs(base, TOKENS)) <= tolerance
+
+
 def test_level2_wake_resends_the_base_then_the_adapter(tiny_model_dir, adapter_engine):
     family = "qwen3"
     llm = adapter_engine(family)
     tolerance = LOGPROB_TOLERANCE[FAMILIES[family].dtype]
-    policy = lora_policy(family, tiny_model_dir(family), seed=3)
+    policy = lora_policy(tiny_model_dir(family), seed=3)
     engines, state = RecordingEngines(llm), AdapterSyncState()
     sync_adapter(policy, engines, state, dtype=torch.float32)
     assert engine_diff(llm, policy, state.lora_request()) <= tolerance
@@ -176,7 +181,7 @@ def test_qwen3_5_lora_on_linear_attention_only(tiny_model_dir, adapter_engine):
     llm = adapter_engine(family)
     tolerance = LOGPROB_TOLERANCE[FAMILIES[family].dtype]
     targets = r".*linear_attn\.(in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj)"
-    policy = lora_policy(family, tiny_model_dir(family), target_modules=targets)
+    policy = lora_policy(tiny_model_dir(family), target_modules=targets)
     assert {unit.leaf for unit in sync_units(policy) if unit.has_lora} == {
         "in_proj_qkv",
         "in_proj_z",
@@ -198,7 +203,7 @@ def test_engine_refuses_adapter_modules_it_has_no_lora_layer_for(tiny_model_dir,
     adapter, so the engine side raises instead (and keeps the adapter it had)."""
     family = "qwen2_5_vl"
     llm = adapter_engine(family)
-    policy = lora_policy(family, tiny_model_dir(family), target_modules=r".*visual.*attn\.(qkv|proj)")
+    policy = lora_policy(tiny_model_dir(family), target_modules=r".*visual.*attn\.(qkv|proj)")
     with pytest.raises(UnsupportedAdapterError, match="vision tower"):
         adapter_mode.check_adapter_mode_supported(policy)
     held = llm.collective_rpc("lora_adapter_ids")
@@ -219,18 +224,16 @@ def test_start_time_refusals(tiny_model_dir):
     )
     cases = {
         "is not among them": other_family,
-        "DoRA": lora_policy("qwen3", qwen3, target_modules=["q_proj"], use_dora=True),
-        "modules_to_save": lora_policy(
-            "qwen3", qwen3, target_modules=["q_proj"], modules_to_save=["lm_head"]
-        ),
-        "rank_pattern": lora_policy("qwen3", qwen3, target_modules=["q_proj"], rank_pattern={"q_proj": 4}),
-        "ranks 1 to 512": lora_policy("qwen3", qwen3, target_modules=["q_proj"], r=1024),
+        "DoRA": lora_policy(qwen3, target_modules=["q_proj"], use_dora=True),
+        "modules_to_save": lora_policy(qwen3, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+        "rank_pattern": lora_policy(qwen3, target_modules=["q_proj"], rank_pattern={"q_proj": 4}),
+        "ranks 1 to 512": lora_policy(qwen3, target_modules=["q_proj"], r=1024),
     }
     for message, policy in cases.items():
         with pytest.raises(UnsupportedAdapterError, match=message) as error:
             adapter_mode.check_adapter_mode_supported(policy)
         assert "merge mode" in str(error.value) or message == "DoRA"
-    adapter_mode.check_adapter_mode_supported(lora_policy("qwen3", qwen3))  # the positive control
+    adapter_mode.check_adapter_mode_supported(lora_policy(qwen3))  # the positive control
 
 
 def test_rank_rounds_up_to_what_vllm_accepts():
@@ -278,7 +281,7 @@ def test_patched_openrlhf_engine_actor_serves_the_adapter(
 
     model_dir = tiny_model_dir("qwen2_5_vl")
     engine = rollout_actor.start(model_dir)
-    policy = lora_policy("qwen2_5_vl", model_dir).to(torch.bfloat16)
+    policy = lora_policy(model_dir).to(torch.bfloat16)
 
     def diff() -> float:
         expected = hf_prompt_logprobs(copy.deepcopy(policy).merge_and_unload().eval(), TOKENS)

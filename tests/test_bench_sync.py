@@ -70,7 +70,7 @@ def test_bench_sync_rows_on_a_tiny_model(tiny_model_dir):
 
 
 def test_bench_scale_is_a_few_hundred_million_parameters_and_refuses_qwen3_5():
-    from openrlhf_lora_sync.tiny_models import FAMILIES, build_config, scaled
+    from openrlhf_lora_sync.testing.tiny_models import FAMILIES, build_config, scaled
     from transformers import AutoModelForImageTextToText
 
     with torch.device("meta"):  # shapes only: nothing allocated

@@ -38,7 +38,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from openrlhf_lora_sync.cpu_deepspeed import process_env
+from openrlhf_lora_sync.testing.cpu_deepspeed import process_env
 
 ROOT = Path(__file__).resolve().parent.parent
 KILL_RANK = 8192  # ~128 MB of fp32 adapter on the tiny Qwen3: writing it takes long enough to kill midway
@@ -322,7 +322,7 @@ def test_resume_restores_the_adapter_and_the_peft_checkpoint_holds_it(tiny_model
 
 
 def test_base_recipe_saves_the_peft_adapter_at_its_cadence():
-    from scripts import render_recipe
+    from openrlhf_lora_sync import recipe as render_recipe
 
     flags = render_recipe.load_recipe(ROOT / "recipes" / "qwen3_vl-8b-4x4090.yaml")
     argv = render_recipe.render(flags, environ={}).argv

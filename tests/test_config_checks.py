@@ -1,9 +1,10 @@
 """Bad configurations fail before any GPU work, each naming its fix; the same configuration fixed passes.
 
 One case per configuration issue 6 lists, each run through the entry point that catches it first:
-scripts/render_recipe.py (recipe keys, no torch), scripts/preflight.py's checks (the model built from its
-config on the meta device, the host's real pidfd_getfd probe, denied for real), or the launcher's
-checks of hand-passed flags (openrlhf_lora_sync.config_checks). Every case also runs with the fix
+the recipe path (recipe.load_run: recipe keys, OpenRLHF's parser, config_checks.run_problems; no torch),
+preflight's checks (the model built from its config on the meta device, the host's real pidfd_getfd
+probe, denied for real), or the launcher's checks of hand-passed flags (recipe.run_from_argv +
+config_checks.launch_problems). Every case also runs with the fix
 applied and must pass, so a check that refused everything would fail here.
 
 Does not cover: GPUs (the transport case gives preflight a GPU list), other releases actually installed
@@ -18,9 +19,8 @@ from dataclasses import dataclass
 
 import pytest
 import ray
-from openrlhf_lora_sync import config_checks, launch
-
-from scripts import preflight, render_recipe
+from openrlhf_lora_sync import config_checks, launch, preflight
+from openrlhf_lora_sync import recipe as render_recipe
 
 RTX_4090 = preflight.GpuInfo("NVIDIA GeForce RTX 4090", 23.99)
 SMOKE = render_recipe.RECIPES_DIR / "smoke-cpu.yaml"
@@ -35,22 +35,35 @@ class Case:
     fix_named: tuple[str, ...]  # what the failure text must say
 
 
-def via_render(overrides: dict, context) -> str | None:
-    flags = {**render_recipe.load_recipe(SMOKE), **overrides}
+def overrides_of(keys: dict) -> list[str]:
+    return [f"{key}={value}" for key, value in keys.items()]
+
+
+def smoke_run(keys: dict):
+    return render_recipe.load_run(SMOKE, overrides_of(keys), environ={})
+
+
+def via_render(keys: dict, context) -> str | None:
     try:
-        render_recipe.render(flags, environ={})
+        smoke_run(keys)
     except render_recipe.RecipeError as error:
         return str(error)
     return None
 
 
-def via_preflight_lora(flags: dict, context) -> str | None:
-    result = preflight.check_lora_config(flags, {}, str(context["model"]))
+def via_preflight_lora(keys: dict, context) -> str | None:
+    try:
+        run = smoke_run(keys)
+    except render_recipe.RecipeError as error:  # what the recipe path refuses, preflight refuses first
+        return str(error)
+    result = preflight.check_lora_config(run, str(context["model"]))
     return f"{result.summary} fix: {result.fix}" if result.status == preflight.FAIL else None
 
 
-def via_preflight_transport(flags: dict, context) -> str | None:
-    result = preflight.check_transport(flags, {}, [RTX_4090], context["denied_probe"])
+def via_preflight_transport(keys: dict, context) -> str | None:
+    result = preflight.check_transport(
+        smoke_run(keys).setting("sync.transport"), [RTX_4090], context["denied_probe"]
+    )
     return f"{result.summary} fix: {result.fix}" if result.status == preflight.FAIL else None
 
 
@@ -59,9 +72,24 @@ def via_versions(installed: dict, context) -> str | None:
     return "\n".join(map(str, problems)) or None
 
 
+# What a launch needs beyond OpenRLHF's defaults to pass its own checks (a reward, GRPO groups).
+LAUNCH_BASE = [
+    "--reward.remote_url",
+    "rewards/math_answer.py",
+    "--algo.advantage.estimator",
+    "group_norm",
+    "--rollout.n_samples_per_prompt",
+    "4",
+]
+
+
 def via_launcher_flags(argv: list[str], context, env: dict | None = None) -> str | None:
-    argv = ["--actor.model_name_or_path", str(context["model"]), *argv]
-    fatal = [p for p in config_checks.launch_problems(argv, env or {}, context["installed"]) if p.fatal]
+    argv = ["--actor.model_name_or_path", str(context["model"]), *LAUNCH_BASE, *argv]
+    try:
+        run = render_recipe.run_from_argv(argv, env or {})
+    except render_recipe.RecipeError as error:
+        return str(error)
+    fatal = [p for p in config_checks.launch_problems(run, context["installed"]) if p.fatal]
     return "\n".join(map(str, fatal)) or None
 
 
@@ -69,29 +97,29 @@ CASES = [
     Case(
         "rank above adapter mode's vLLM limit",
         via_preflight_lora,
-        {"ds.lora.rank": 1024, "sync.mode": "adapter", "ds.lora.target_modules": ["q_proj"]},
-        {"ds.lora.rank": 512, "sync.mode": "adapter", "ds.lora.target_modules": ["q_proj"]},
+        {"ds.lora.rank": 1024, "sync.mode": "adapter", "ds.lora.target_modules": "[q_proj]"},
+        {"ds.lora.rank": 512, "sync.mode": "adapter", "ds.lora.target_modules": "[q_proj]"},
         ("512", "sync.mode: merge"),
     ),
     Case(
         "target_modules matching nothing (vLLM's fused name)",
         via_preflight_lora,
-        {"ds.lora.rank": 8, "ds.lora.target_modules": ["qkv_proj"]},
-        {"ds.lora.rank": 8, "ds.lora.target_modules": ["q_proj", "k_proj", "v_proj"]},
+        {"ds.lora.rank": 8, "ds.lora.target_modules": "[qkv_proj]"},
+        {"ds.lora.rank": 8, "ds.lora.target_modules": "[q_proj, k_proj, v_proj]"},
         ("matches no module", "q_proj", "k_proj"),
     ),
     Case(
         "target_modules matching a Conv3d",
         via_preflight_lora,
-        {"ds.lora.rank": 8, "ds.lora.target_modules": ["proj"]},
-        {"ds.lora.rank": 8, "ds.lora.target_modules": ["attn.proj"]},
+        {"ds.lora.rank": 8, "ds.lora.target_modules": "[proj]"},
+        {"ds.lora.rank": 8, "ds.lora.target_modules": "[attn.proj]"},
         ("Conv3d", "linear layers only"),
     ),
     Case(
         "adapter mode with LoRA on the vision tower (OpenRLHF's default all-linear)",
         via_preflight_lora,
-        {"ds.lora.rank": 8, "sync.mode": "adapter"},
-        {"ds.lora.rank": 8, "sync.mode": "adapter", "ds.lora.target_modules": ["q_proj", "v_proj"]},
+        {"ds.lora.rank": 8, "sync.mode": "adapter", "ds.lora.target_modules": "null"},
+        {"ds.lora.rank": 8, "sync.mode": "adapter", "ds.lora.target_modules": "[q_proj, v_proj]"},
         ("vision tower", "sync.mode: merge"),
     ),
     Case(
@@ -176,13 +204,13 @@ def test_bad_configuration_fails_naming_the_fix_and_the_fixed_one_passes(case, c
     ids=["zero2", "4bit"],
 )
 def test_offload_refusals_are_the_same_in_render_preflight_and_the_launcher(overrides, argv, context):
-    """One refusal, three entry points: render_recipe (recipe keys), preflight's lora_config check (the
-    recipe) and the launcher (hand-passed flags with LORA_SYNC_OFFLOAD_PARAMS=1 in the environment)."""
-    flags = {**render_recipe.load_recipe(SMOKE), "trainer.offload_params": True, **overrides}
-    problem = str(config_checks.offload_problems(flags, {})[0])
-    assert problem in via_render({"trainer.offload_params": True, **overrides}, context)
-    result = preflight.check_lora_config(flags, {}, str(context["model"]))
-    assert result.status == preflight.FAIL and problem == f"{result.summary}; fix: {result.fix}"
+    """One refusal, three entry points: the recipe path (render, --dry-run, preflight --recipe) and the
+    launcher (hand-passed flags with LORA_SYNC_OFFLOAD_PARAMS=1 in the environment)."""
+    fixed = smoke_run({"trainer.offload_params": True})  # ZeRO-3 in smoke-cpu.yaml: passes
+    assert config_checks.offload_problems(fixed) == []
+    message = via_render({"trainer.offload_params": True, **overrides}, context)
+    assert "trainer.offload_params:" in message and "fix:" in message
+    assert via_preflight_lora({"trainer.offload_params": True, **overrides}, context) == message
     launcher_argv = [
         "--ds.lora.rank",
         "8",
@@ -193,21 +221,22 @@ def test_offload_refusals_are_the_same_in_render_preflight_and_the_launcher(over
         *argv,
     ]
     launched = via_launcher_flags(launcher_argv, context, {"LORA_SYNC_OFFLOAD_PARAMS": "1"})
-    assert problem in launched
-    # The same flags without the offload pass all three (4-bit is refused by nothing else here).
-    assert config_checks.offload_problems({**flags, "trainer.offload_params": False}, {}) == []
+    problem = message.splitlines()[0]
+    assert problem in launched or problem.replace("2 (OpenRLHF's default)", "2") in launched
+    # The same flags without the offload pass (4-bit is refused by nothing else here).
+    assert via_launcher_flags(launcher_argv, context, {"LORA_SYNC_OFFLOAD_PARAMS": "0"}) is None
 
 
 def test_merge_mode_rank_above_a_targets_dimensions_warns_only(context):
-    flags = {"ds.lora.rank": 200, "ds.lora.target_modules": ["q_proj"]}  # the tiny model's hidden size is 128
-    result = preflight.check_lora_config(flags, {}, str(context["model"]))
+    keys = {"ds.lora.rank": 200, "ds.lora.target_modules": "[q_proj]"}  # the tiny model's hidden size is 128
+    result = preflight.check_lora_config(smoke_run(keys), str(context["model"]))
     assert result.status == preflight.WARN and "ds.lora.rank: 128 or less" in result.fix
-    result = preflight.check_lora_config({**flags, "ds.lora.rank": 128}, {}, str(context["model"]))
+    result = preflight.check_lora_config(smoke_run({**keys, "ds.lora.rank": 128}), str(context["model"]))
     assert result.status == preflight.PASS
 
 
 def test_launcher_refuses_before_starting_ray(context, capsys):
-    argv = ["--actor.model_name_or_path", str(context["model"]), "--ds.lora.rank", "0"]
+    argv = ["--actor.model_name_or_path", str(context["model"]), *LAUNCH_BASE, "--ds.lora.rank", "0"]
     assert launch.main(argv) == 2
     assert "ds.lora.rank > 0" in capsys.readouterr().err
     assert not ray.is_initialized()
@@ -237,7 +266,7 @@ def test_launcher_removes_the_runs_shm_files_however_training_ends(context, monk
         raise RuntimeError("injected: training died")
 
     monkeypatch.setattr(launch.runpy, "run_module", train_ppo_ray_that_dies)
-    argv = ["--actor.model_name_or_path", str(context["model"]), "--ds.lora.rank", "8"]
+    argv = ["--actor.model_name_or_path", str(context["model"]), *LAUNCH_BASE, "--ds.lora.rank", "8"]
     try:
         with pytest.raises(RuntimeError, match="injected"):
             launch.main([*argv, "--ds.lora.target_modules", "q_proj", "v_proj"])
@@ -247,19 +276,6 @@ def test_launcher_removes_the_runs_shm_files_however_training_ends(context, monk
         os.unlink(other_run)
 
 
-def test_flags_from_argv_reads_lists_switches_and_values():
-    argv = ["--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj", "v_proj", "--train.colocate_all"]
-    assert config_checks.flags_from_argv([*argv, "--x=1"]) == {
-        "ds.lora.rank": "8",
-        "ds.lora.target_modules": ["q_proj", "v_proj"],
-        "train.colocate_all": True,
-        "x": "1",
-    }
-    assert config_checks.flags_from_argv(["--ds.lora.target_modules", "q_proj"])[
-        "ds.lora.target_modules"
-    ] == ["q_proj"]
-
-
 @pytest.mark.parametrize(
     "recipe", sorted(p.name for p in render_recipe.RECIPES_DIR.glob("*.yaml") if p.name != "base.yaml")
 )
@@ -267,13 +283,14 @@ def test_shipped_recipes_target_modules_that_exist(recipe, tiny_model_dir):
     """Each recipe's LoRA targets against its model: a hub id's reference config (memory_budget.py), or
     the tiny checkpoint the CPU recipes build when they run (absent on a fresh clone: the test builds the
     same family). Negative control: a target no Qwen model has."""
-    flags = render_recipe.load_recipe(render_recipe.RECIPES_DIR / recipe)
-    model = flags["actor.model_name_or_path"]
+    run = render_recipe.load_run(recipe, environ={})
+    model = run.args.actor.model_name_or_path
     if "/tiny-" in model:
         model = str(tiny_model_dir(model.rsplit("tiny-", 1)[1]))
-    result = preflight.check_lora_config(flags, {}, model)
+    result = preflight.check_lora_config(run, model)
     # Qwen3.5's in_proj_a/in_proj_b project to one value per linear-attention head (32 in the 9B, 48 in
     # the 27B), below the recipes' rank 64: a warning, which these recipes accept.
     assert result.status == preflight.PASS or "above min(in, out)" in result.summary, result
-    result = preflight.check_lora_config({**flags, "ds.lora.target_modules": ["c_attn"]}, {}, model)
+    bad = render_recipe.load_run(recipe, ["ds.lora.target_modules=[c_attn]"], environ={})
+    result = preflight.check_lora_config(bad, model)
     assert result.status == preflight.FAIL and "matches no module" in result.summary

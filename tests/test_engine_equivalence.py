@@ -2,20 +2,22 @@
 
 For each family, vLLM's prompt logprobs must equal HF's within the dtype's tolerance; then the engine
 is loaded (through the in-place reload the sync uses) with perturbed weights and the same check must
-fail by a wide margin, and reloading the original weights must make it pass again.
+fail by a wide margin, and reloading the original weights must make it pass again. Also: the session
+engines' fixture layer (tests/conftest.py) hands the next test an engine a test left perturbed back on
+its checkpoint.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from openrlhf_lora_sync.logprob_check import (
+from openrlhf_lora_sync.testing.logprob_check import (
     LOGPROB_TOLERANCE,
     hf_prompt_logprobs,
     max_abs_diff,
     vllm_prompt_logprobs,
 )
-from openrlhf_lora_sync.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
+from openrlhf_lora_sync.testing.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
 from safetensors.torch import load_file
 
 FAMILY_NAMES = sorted(FAMILIES)
@@ -97,3 +99,22 @@ def test_perturbed_engine_fails_the_check_and_reload_restores_it(
         f"{family}: not detected ({perturbed_diff:.3g})"
     )
     assert restored_diff <= tolerance, f"{family}: reloading the original weights left {restored_diff:.3g}"
+
+
+def test_a_shared_engine_is_handed_to_the_next_test_on_its_checkpoint(
+    _base_engines, tiny_engine, tiny_model_dir, hf_model
+):
+    """The fixture layer (conftest.py): whatever a test loads into a session engine, the next test's first
+    ask gets it back on the checkpoint's weights, and the same engine (no new start-up)."""
+    family = "qwen3"
+    engine, reference = tiny_engine(family), hf_model(family)
+    tolerance = LOGPROB_TOLERANCE[FAMILIES[family].dtype]
+    token_ids = _token_ids(seed=4)
+    perturbed = _perturbed(_checkpoint_tensors(tiny_model_dir(family)), seed=5)
+    engine.collective_rpc("load_weights_in_place", args=(list(perturbed.items()),))
+    assert tiny_engine(family) is engine  # a later ask in the same test: as the test left it
+    left = _logprob_diff(engine, reference, token_ids)
+    handed_on = _base_engines.known_state((family, FAMILIES[family].dtype))  # the next test's first ask
+    assert handed_on is engine
+    assert left > NEGATIVE_CONTROL_MARGIN * tolerance  # the control: this test did leave it perturbed
+    assert _logprob_diff(engine, reference, token_ids) <= tolerance

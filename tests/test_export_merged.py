@@ -18,12 +18,11 @@ import json
 
 import pytest
 import torch
+from openrlhf_lora_sync.tools import export_merged
 from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
-
-from scripts import export_merged
 
 # fp32 merge vs peft's unmerged fp32 forward: the same sums in another order.
 LOGITS_ATOL = 1e-4

@@ -22,13 +22,11 @@ from openrlhf_lora_sync import probe, transport
 from openrlhf_lora_sync.merge import iter_effective_checkpoint_tensors, sync_units
 from openrlhf_lora_sync.plan import SyncState
 from openrlhf_lora_sync.sync import LocalEngines, sync_weights
-from openrlhf_lora_sync.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
+from openrlhf_lora_sync.testing.policies import ATTENTION_AND_MLP_LINEARS, QV_ONLY, lora_policy
+from openrlhf_lora_sync.testing.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
 from openrlhf_lora_sync.worker_extension import WeightSyncError
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 FAMILY = "qwen3"
-LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SMALL_BUCKET = 64 << 10  # many buckets even on tiny models, so one can be lost
 # (fault, family, probe result) of every probe run here, for the note's two distributions.
 PROBE_DIFFS: list[tuple[str, str, probe.ProbeResult]] = []
@@ -42,15 +40,6 @@ def _print_distributions():
             f"probe {fault:>26} {family:>8}: max abs diff {result.max_abs_diff:.3g}, "
             f"mean {result.mean_abs_diff:.3g}, {result.seconds:.3f} s"
         )
-
-
-def lora_policy(model_dir, family: str, target_modules=LINEARS, seed: int = 0):
-    spec = FAMILIES[family]
-    auto_cls = AutoModelForImageTextToText if spec.is_vlm else AutoModelForCausalLM
-    base = auto_cls.from_pretrained(model_dir, dtype=getattr(torch, spec.dtype))
-    torch.manual_seed(seed)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=target_modules, init_lora_weights=False)
-    return get_peft_model(base, config)
 
 
 def probed(policy, engines, family: str, label: str) -> probe.ProbeResult:
@@ -70,12 +59,12 @@ def assert_probe_passes(policy, engines, family: str, label: str) -> None:
 
 
 @pytest.fixture
-def setup(tiny_model_dir, sync_engine):
+def setup(tiny_model_dir, tiny_engine):
     """A LoRA policy fully synced into a fresh SyncState (the probe must pass: the no-fault run)."""
 
-    def make(family: str = FAMILY, target_modules=LINEARS):
-        policy = lora_policy(tiny_model_dir(family), family, target_modules)
-        engines = LocalEngines(sync_engine(family))
+    def make(family: str = FAMILY, target_modules=ATTENTION_AND_MLP_LINEARS):
+        policy = lora_policy(tiny_model_dir(family), target_modules)
+        engines = LocalEngines(tiny_engine(family))
         state = SyncState()
         dtype = getattr(torch, FAMILIES[family].dtype)
         sync_weights(policy, engines, state, dtype=dtype, bucket_bytes=SMALL_BUCKET)
@@ -149,9 +138,7 @@ def test_dropped_bucket_in_a_delta_sync_fails_the_probe(setup, monkeypatch, trai
     assert_probe_passes(policy, engines, FAMILY, "none (after drop-bucket)")
 
 
-@pytest.mark.parametrize(
-    "family, targets", [(FAMILY, LINEARS), ("qwen2_5_vl", r".*language_model.*\.(q|v)_proj")]
-)
+@pytest.mark.parametrize("family, targets", [(FAMILY, ATTENTION_AND_MLP_LINEARS), ("qwen2_5_vl", QV_ONLY)])
 def test_skipped_sync_leaves_a_stale_engine_the_probe_catches(family, targets, setup, training_step):
     policy, engines, state, dtype = setup(family, targets)
     training_step(policy)
@@ -189,12 +176,12 @@ def _cached_tokens(llm, token_ids, **params) -> int:
     return output.num_cached_tokens
 
 
-def test_prefix_cache_reset_is_checked_since_prompt_logprobs_never_read_it(setup, sync_engine, training_step):
+def test_prefix_cache_reset_is_checked_since_prompt_logprobs_never_read_it(setup, tiny_engine, training_step):
     """vLLM skips prefix-cache reads for requests with prompt_logprobs (SamplingParams sets
     skip_reading_prefix_cache), so the probe always recomputes every position and cannot see a stale
     prefix cache. Rollouts do read it; what is testable is that a sync empties it, and the fault."""
     policy, engines, state, dtype = setup()
-    llm = sync_engine(FAMILY)
+    llm = tiny_engine(FAMILY)
     prompt = torch.randint(0, BYTE_VOCAB_SIZE, (300,), generator=torch.Generator().manual_seed(9)).tolist()
 
     assert _cached_tokens(llm, prompt) == 0

@@ -1,4 +1,6 @@
-"""scripts/gpu_bench.py without a GPU: the same code at tiny sizes, as users run it, prints its JSON line.
+"""tools/gpu_bench.py without a GPU: the same code at tiny sizes, run as its header says to run it on a bare
+GPU host (`PYTHONPATH=patches python -m ...`, with vLLM, Ray, DeepSpeed and OpenRLHF hidden), prints its
+JSON line.
 
 Checks that every figure is there and positive, that the GPU figures say "not run" on a CPU, and that the
 layer merge it times is the patch's merge: equal to peft's merge_and_unload on the full-attention layer
@@ -9,6 +11,7 @@ Timings are printed, never asserted. Does not cover: GPU numbers (run the script
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
+ROOT = Path(__file__).resolve().parents[1]
+# What a bare GPU host lacks: importing any of them fails, as it would there.
+NOT_ON_A_BARE_GPU_HOST = ("vllm", "ray", "deepspeed", "openrlhf", "datasets", "math_verify", "wandb")
+BARE_HOST_RUN = """
+import runpy, sys
+for name in sys.argv.pop(1).split(","):
+    sys.modules[name] = None
+runpy.run_module("openrlhf_lora_sync.tools.gpu_bench", run_name="__main__", alter_sys=True)
+"""
 # One bf16 rounding step of weights of size ~1 (peft rounds its own sum the same way or one step off).
 BF16_STEP = 2**-7
 
@@ -24,7 +35,12 @@ BF16_STEP = 2**-7
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback; on a GPU host run the script itself")
 def test_gpu_bench_runs_on_cpu_at_tiny_sizes():
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--repeats", "1"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", BARE_HOST_RUN, ",".join(NOT_ON_A_BARE_GPU_HOST), "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": "patches"},
     )
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])

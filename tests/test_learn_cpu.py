@@ -20,9 +20,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from openrlhf_lora_sync.tools import smoke_cpu
 
 from rewards import REWARDS, ascii_fraction, reward_file
-from scripts import smoke_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "learn-cpu.yaml"
@@ -95,19 +95,11 @@ def test_registry_names_the_reward_file():
 
 
 @pytest.fixture(scope="module")
-def learn_run(tiny_model_dir, tmp_path_factory, wandb_history):
+def learn_run(smoke_cpu_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("learn-cpu")
-    exit_code = smoke_cpu.main(
-        ["--recipe", str(RECIPE), "--control", "--seed", "0", "--output-dir", str(out)]
-        + ["--model-dir", str(tiny_model_dir("qwen2_5_vl"))]
-    )
-    summary = json.loads((out / "summary.json").read_text())
+    exit_code, summary, wandb_rows = smoke_cpu_run(out, "--recipe", str(RECIPE), "--control", "--seed", "0")
     return SimpleNamespace(
-        exit_code=exit_code,
-        out=out,
-        summary=summary,
-        history=summary["history"],
-        wandb_rows=wandb_history(Path(summary["wandb_run_dir"])),
+        exit_code=exit_code, out=out, summary=summary, history=summary["history"], wandb_rows=wandb_rows
     )
 
 
@@ -164,12 +156,11 @@ def test_wandb_and_the_plot_hold_both_curves(learn_run):
 
 
 def test_the_recipe_runs_the_full_learning_run(tmp_path):
-    settings = smoke_cpu.resolve_settings(smoke_cpu.parse_args(["--recipe", str(RECIPE), "--control"]))
-    assert settings.control and settings.reward_file == reward_file("ascii_fraction")
-    assert (
-        settings.steps == STEPS == math.ceil(8 / settings.prompts_per_step) * 3 >= 2 * smoke_cpu.REWARD_WINDOW
-    )
-    assert settings.lora_targets == ["lm_head"]
+    smoke = smoke_cpu.smoke_run(smoke_cpu.parse_args(["--recipe", str(RECIPE), "--control"]))
+    assert smoke.control and smoke.reward_file == reward_file("ascii_fraction")
+    prompts_per_step = smoke.args.rollout.batch_size
+    assert smoke.steps == STEPS == math.ceil(8 / prompts_per_step) * 3 >= 2 * smoke_cpu.REWARD_WINDOW
+    assert smoke.args.ds.lora.target_modules == ["lm_head"]
 
 
 @pytest.mark.slow

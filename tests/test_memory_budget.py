@@ -1,5 +1,6 @@
-"""scripts/memory_budget.py: parameter counts against real transformers models, LoRA counts against peft,
-the phase arithmetic, the mapping of recipe flags, and the answer for the user's Qwen3.5-27B on 4x4090.
+"""memory_budget.py: its inventory against real transformers models (parameter counts by part), LoRA counts
+against peft, vLLM's stacking, the phase arithmetic, settings from the one recipe path (recipe.load_run),
+the CLI (--recipe, --model, --set, --table) and the answer for the user's Qwen3.5-27B on 4x4090.
 
 Models are built on the meta device (nothing allocated), so real sizes (27B included) are compared exactly
 with `sum(p.numel())`. Not covered: measured GPU memory (no GPU here); the module docstring states what
@@ -8,16 +9,16 @@ the estimates assume.
 
 from __future__ import annotations
 
-import ast
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from openrlhf_lora_sync import memory_budget as mb
+from openrlhf_lora_sync import recipe
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-from scripts import memory_budget as mb
 
 GIB = mb.GIB
 TINY_TEXT = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3}
@@ -112,10 +113,24 @@ def test_parameter_counts_by_part_equal_transformers(case):
 
 def test_every_parameter_of_a_real_model_has_a_module_in_the_inventory():
     config = CONFIG_CASES["qwen3_vl deepstack"]
-    inventory = {name for group in mb.model_spec(config).modules for name in group.names()}
+    inventory = {module.name for module in mb.model_spec(config).modules}
     for name, _ in build_on_meta(config).named_parameters():
         module = name.rsplit(".", 1)[0]
         assert module in inventory, name
+
+
+def test_inventory_knows_layer_types_stacking_and_tied_embeddings():
+    spec = mb.model_spec(CONFIG_CASES["qwen3_5 explicit layer_types, tied"])
+    kinds = {(m.name.rpartition(".")[2], m.layer, m.layer_type) for m in spec.modules if m.linear}
+    assert ("q_proj", 0, "full_attention") in kinds and ("q_proj", 2, "full_attention") in kinds
+    assert ("in_proj_qkv", 1, "linear_attention") in kinds
+    assert not any(name == "q_proj" for name, layer, _ in kinds if layer == 1)  # layer 1: linear attention
+    assert (spec.full_attention_layers, spec.linear_attention_layers) == (2, 1)
+    stacked = {m.name.rpartition(".")[2]: m.stacked for m in spec.modules if m.stacked}
+    assert stacked == {key: value for key, value in mb.VLLM_STACKED.items() if key in stacked}
+    assert set(stacked) == set(mb.VLLM_STACKED)  # every stacked family is there in Qwen3.5
+    # Tied: lm_head holds nothing of its own; the shared weight is counted once, under embed.
+    assert spec.parameters_by_part()["lm_head"] == 0 and spec.parameters_by_part()["embed"] == 320 * 64
 
 
 def test_reference_sizes_are_the_published_ones():
@@ -124,22 +139,6 @@ def test_reference_sizes_are_the_published_ones():
     assert total["Qwen/Qwen3-VL-8B-Instruct"] == 8_767_123_696
     assert total["Qwen/Qwen2.5-VL-3B-Instruct"] == 3_754_622_976
     assert 27.0e9 < total["Qwen/Qwen3.5-27B"] < 27.6e9
-
-
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3"])
-def test_defaults_are_transformers_defaults(family):
-    config = AutoConfig.for_model(family)
-    text = config.text_config if hasattr(config, "text_config") else config
-    for key, value in mb.TEXT_DEFAULTS[family].items():
-        if key == "full_attention_interval":  # consumed into layer_types, not kept as an attribute
-            expected = ["full_attention" if (i + 1) % value == 0 else "linear_attention" for i in range(32)]
-            assert text.layer_types == expected
-        else:
-            assert getattr(text, key) == value, key
-    if family in mb.VISION_DEFAULTS:
-        for key, value in mb.VISION_DEFAULTS[family].items():
-            actual = getattr(config.vision_config, key)
-            assert (list(actual) if isinstance(actual, tuple) else actual) == value, key
 
 
 LORA_CASES = [
@@ -167,13 +166,24 @@ def test_lora_parameter_counts_equal_peft(case, targets):
     assert mb.lora_parameters(
         mb.model_spec(config), 8, tuple(targets) if isinstance(targets, list) else targets
     ) == (trainable)
+    if isinstance(targets, list):  # the modules peft wrapped, by name: those the sync merges
+        wrapped = {module.name for module in mb.lora_modules(mb.model_spec(config), 8, tuple(targets))}
+        assert wrapped == {
+            name.removeprefix("base_model.model.").rsplit(".lora_A", 1)[0]
+            for name, _ in peft_model.named_parameters()
+            if ".lora_A." in name
+        }
 
 
 def test_language_only_lora_leaves_the_vision_tower_alone():
     spec = mb.model_spec(mb.REFERENCE_CONFIGS["Qwen/Qwen3.5-27B"])
-    parts = {group.part for group, _ in mb.lora_modules(spec, mb.LANGUAGE_ONLY_LORA)}
+    parts = {module.part for module in mb.lora_modules(spec, 64, mb.LANGUAGE_ONLY_LORA)}
     assert parts == {"layers"}
-    assert {group.part for group, _ in mb.lora_modules(spec, "all-linear")} == {"vision", "merger", "layers"}
+    assert {module.part for module in mb.lora_modules(spec, 64, "all-linear")} == {
+        "vision",
+        "merger",
+        "layers",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -244,8 +254,9 @@ def test_kv_cache_counts_full_attention_layers_and_linear_state(spec_27b):
             ),
         ),
         (
-            {"transport": "shm"},
-            lambda base, new, p: part(new, "sync", "bucket") == 2 * part(base, "sync", "bucket"),
+            # auto is shm on a shared GPU: the engine receives a copy; CUDA IPC maps the bucket in place
+            {"transport": "cuda_ipc"},
+            lambda base, new, p: 2 * part(new, "sync", "bucket") == part(base, "sync", "bucket"),
         ),
         ({"zero_stage": 2}, lambda base, new, p: part(new, "rollout", "base") == pytest.approx(2 * p)),
         (
@@ -265,7 +276,8 @@ def test_kv_cache_counts_full_attention_layers_and_linear_state(spec_27b):
                 part(new, "sync", "LoRA optimizer") == pytest.approx(12 * base.lora_parameters / 4)
             ),
         ),
-        ({"bucket_mb": 4096}, lambda base, new, p: part(new, "sync_delta", "bucket") == 4096 * mb.MIB),
+        # auto is shm here: the trainer's bucket and the engine's copy of it
+        ({"bucket_mb": 4096}, lambda base, new, p: part(new, "sync_delta", "bucket") == 2 * 4096 * mb.MIB),
     ],
     ids=[
         "param offload",
@@ -273,7 +285,7 @@ def test_kv_cache_counts_full_attention_layers_and_linear_state(spec_27b):
         "reference from the base",
         "sleep level 2",
         "no sleep",
-        "shm",
+        "cuda_ipc",
         "zero2",
         "no checkpointing",
         "4bit",
@@ -288,7 +300,7 @@ def test_one_knob_moves_the_right_component(spec_27b, change, check):
 
 
 def test_sync_holds_both_copies_of_the_weights_plus_transients(spec_27b):
-    budget = mb.estimate(spec_27b, LEAN_AT_08)
+    budget = mb.estimate(spec_27b, replace(LEAN_AT_08, transport="cuda_ipc"))
     sync = budget.phase("sync").parts
     p = spec_27b.total_parameters
     assert sync["vLLM weights"] == pytest.approx(2 * p / 4)
@@ -299,7 +311,8 @@ def test_sync_holds_both_copies_of_the_weights_plus_transients(spec_27b):
     delta = budget.phase("sync_delta").parts
     assert delta["gathered/merged"] == pytest.approx(10 * 5120 * 17408)
     assert delta["bucket"] == pytest.approx(2 * 2 * 5120 * 17408)  # the fused gate_up group: never split
-    wide = mb.estimate(spec_27b, replace(LEAN_AT_08, bucket_mb=512)).phase("sync_delta").parts
+    wide = mb.estimate(spec_27b, replace(LEAN_AT_08, transport="cuda_ipc", bucket_mb=512))
+    wide = wide.phase("sync_delta").parts
     assert wide["bucket"] == 512 * mb.MIB  # the bucket size, over the fused gate_up group's 340 MiB
 
 
@@ -314,47 +327,89 @@ def test_separate_vllm_gpus_have_their_own_role():
     assert trainer_sync.parts["base shard"] == pytest.approx(2 * spec.total_parameters / 2)
 
 
-def test_openrlhf_defaults_are_those_of_its_parser():
-    import openrlhf.cli.train_ppo_ray as train_ppo_ray
+def test_transport_auto_resolves_as_the_patch_does(spec_27b):
+    def bucket(**change):
+        budget = mb.estimate(spec_27b, replace(LEAN_AT_08, **change))
+        return max(p.parts["bucket"] for p in budget.phases if p.name == "sync" and p.role != "vllm")
 
-    defaults = {}
-    for node in ast.walk(ast.parse(Path(train_ppo_ray.__file__).read_text())):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and node.args:
-            flag = getattr(node.args[0], "value", None)
-            keywords = {kw.arg: kw.value for kw in node.keywords}
-            if isinstance(flag, str) and flag[2:] in mb.OPENRLHF_DEFAULTS and "default" in keywords:
-                defaults[flag[2:]] = ast.literal_eval(keywords["default"])
-    for flag, value in mb.OPENRLHF_DEFAULTS.items():
-        assert defaults[flag] == value, flag
+    mapped = bucket(transport="cuda_ipc")
+    assert bucket() == bucket(transport="shm") == 2 * mapped  # auto on a shared GPU: /dev/shm, copied
+    assert bucket(transport="broadcast") == 2 * mapped
+    separate = {"colocate": False, "gpus": 8}
+    # auto on separate GPUs is broadcast: each side holds its own copy, none twice
+    assert bucket(**separate) == bucket(transport="broadcast", **separate) == mapped
+
+
+def test_stacked_groups_are_vllms_packed_modules():
+    from vllm.model_executor.models import qwen2_5_vl, qwen3_5, qwen3_vl
+
+    classes = (
+        qwen2_5_vl.Qwen2_5_VLForConditionalGeneration,
+        qwen3_vl.Qwen3VLForConditionalGeneration,
+        qwen3_5.Qwen3_5ForConditionalGeneration,
+    )
+    stacked = {
+        part: fused
+        for cls in classes
+        for fused, parts in cls.packed_modules_mapping.items()
+        for part in parts
+        if part != fused  # "qkv": ["qkv"], the vision tower's own fused tensor
+    }
+    assert stacked == mb.VLLM_STACKED
+
+
+# What OpenRLHF's own checks need besides the user's flags: GRPO groups, a reward, the colocated
+# reference on the actor's GPUs (upstream train() asserts it).
+RUN_NEEDS = [
+    "rollout.n_samples_per_prompt=8",
+    "reward.remote_url=rewards/math_answer.py",
+    "ref.num_gpus_per_node=4",
+]
+
+
+def run_of(flags: dict, *overrides: str):
+    """OpenRLHF's defaults (no recipe) with these flags, through the one recipe path."""
+    return recipe.load_run(None, [*RUN_NEEDS, *(f"{k}={v}" for k, v in flags.items()), *overrides], {})
 
 
 def test_the_users_flags_map_to_the_users_setting():
-    upstream = {**mb.USER_27B_FLAGS, "sync.reference_from_base": False}
-    assert mb.settings_from_flags(upstream) == mb.USER_27B
+    upstream = run_of(mb.USER_27B_FLAGS, "sync.reference_from_base=false")
+    assert mb.shape_from_run(upstream) == mb.USER_27B
     # Through this repo's patch (its default): the KL reference is the policy with its adapters disabled.
-    assert mb.settings_from_flags(mb.USER_27B_FLAGS) == replace(mb.USER_27B, reference="base")
+    assert mb.shape_from_run(run_of(mb.USER_27B_FLAGS)) == replace(mb.USER_27B, reference="base")
+
+
+COLOCATED = {"train.colocate_all": True, "ref.num_gpus_per_node": 8}
 
 
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
         ({"algo.kl.init_coef": 0}, {"reference": "none"}),
-        ({"ref.offload": True}, {"reference": "cpu"}),
-        ({"vllm.enable_sleep": True, "sync.vllm_sleep_level": 2}, {"vllm_sleep_level": 2}),
-        ({"vllm.enable_sleep": False, "sync.vllm_sleep_level": 2}, {"vllm_sleep_level": 0}),
-        ({"sync.bucket_mb": 128}, {"bucket_mb": 128}),
-        ({"trainer.offload_params": True}, {"param_offload": True}),
-        ({"ds.lora.rank": 8}, {"reference": "base"}),
+        ({"ref.offload": True, "sync.reference_from_base": False}, {"reference": "cpu"}),
+        ({"ref.offload": True}, {"reference": "base"}),
+        ({**COLOCATED, "vllm.enable_sleep": True, "sync.vllm_sleep_level": 2}, {"vllm_sleep_level": 2}),
+        ({**COLOCATED, "vllm.enable_sleep": False, "sync.vllm_sleep_level": 2}, {"vllm_sleep_level": 0}),
+        ({**COLOCATED, "vllm.enable_sleep": True}, {"vllm_sleep_level": 1}),
+        # OpenRLHF turns vLLM sleep off without colocate_all (its post-parse code, through run.args)
+        ({"vllm.enable_sleep": True}, {"vllm_sleep_level": 0}),
+        ({"sync.bucket_mb": 64}, {"bucket_mb": 64}),
+        ({}, {"bucket_mb": 128, "transport": "auto", "param_offload": False}),
+        ({"sync.transport": "broadcast"}, {"transport": "broadcast"}),
+        ({"trainer.offload_params": True, "ds.zero_stage": 3}, {"param_offload": True}),
+        ({"ds.lora.rank": 8}, {"reference": "base", "lora_rank": 8}),
         ({"ds.lora.rank": 8, "sync.reference_from_base": False}, {"reference": "gpu"}),
-        ({"ds.lora.rank": 8, "sync.reference_from_base": False, "ref.offload": True}, {"reference": "cpu"}),
         ({"ds.lora.rank": 8, "algo.kl.init_coef": 0}, {"reference": "none"}),
-        ({"ds.lora.target_modules": ["q_proj", "v_proj"]}, {"lora_targets": ("q_proj", "v_proj")}),
-        ({"ds.lora.target_modules": ["all-linear"]}, {"lora_targets": "all-linear"}),
-        ({"actor.num_gpus_per_node": 2, "vllm.tensor_parallel_size": 2}, {"gpus": 4, "vllm_engines": 1}),
+        ({"ds.lora.target_modules": "[q_proj,v_proj]"}, {"lora_targets": ("q_proj", "v_proj")}),
+        ({}, {"lora_targets": "all-linear", "zero_stage": 2, "gpus": 16, "vllm_engines": 8}),
+        (
+            {"actor.num_gpus_per_node": 2, "vllm.tensor_parallel_size": 2, "ref.num_gpus_per_node": 2},
+            {"gpus": 4, "vllm_engines": 1, "colocate": False},
+        ),
     ],
 )
-def test_flag_mapping(flags, expected):
-    settings = mb.settings_from_flags(flags)
+def test_settings_from_the_recipe_path(flags, expected):
+    settings = mb.shape_from_run(run_of({"ds.lora.rank": 64, **flags}))
     assert {key: getattr(settings, key) for key in expected} == expected
 
 
@@ -371,12 +426,13 @@ def test_the_users_27b_does_not_fit_at_sync_and_param_offload_makes_it_fit(spec_
 
 
 def test_the_table_answers_which_qwen35_fits_comfortably():
-    budgets = {b.model.split(",")[0]: b for b in mb.table_rows()}
-    nine = budgets["9B"]
+    budgets = {b.model.rsplit(", util", 1)[0]: b for b in mb.table_rows()}
+    nine = budgets["9B, TP4"]  # the layout of recipes/qwen3_5-9b-4x4090.yaml
     assert nine.fits() and nine.kv_sequences > 64
     # Comfortably: training and the full sync leave at least 5 GiB of the 24.
     assert all(nine.phase(name).total < 19 * GIB for name in ("train", "sync"))
-    assert not budgets["27B"].fits("sync")
+    assert budgets["9B, 2 engines x TP2"].fits()
+    assert not budgets["27B, KL 0, language-only LoRA"].fits("sync")
     assert budgets["27B + trainer base offload"].fits()
 
 
@@ -409,3 +465,75 @@ def test_cli_table_and_model_dir(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and out["lora_parameters"] > 0
     assert mb.main(["--model", "Qwen/Qwen3.5-27B", "--set", "actor.num_gpus_per_node=4"]) == 1
+    # a model with no config anywhere: one line naming it, exit 2
+    assert mb.main(["--model", str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.startswith(f"memory_budget: {tmp_path / 'missing'}: no config.json")
+
+
+ROOT = Path(__file__).resolve().parent.parent
+MEMORY_LINE = re.compile(
+    r"# memory \(GiB/GPU, from scripts/memory_budget.py\): rollout ([\d.]+), train ([\d.]+), "
+    r"sync ([\d.]+), delta sync ([\d.]+) of [\d.]+ usable; host RAM ([\d.]+) GiB per node; fits"
+)
+
+
+def has_model_config(path: Path) -> bool:
+    model = recipe.load_recipe(path).get("actor.model_name_or_path")
+    return bool(model) and (model in mb.REFERENCE_CONFIGS or (ROOT / model / "config.json").is_file())
+
+
+RECIPES_WITH_A_MODEL = [p for p in sorted((ROOT / "recipes").glob("*.yaml")) if has_model_config(p)]
+
+
+def peaks(text: str) -> tuple[str, ...]:
+    """rollout, train, sync, delta sync and host RAM (GiB) from describe()'s lines."""
+    phase = {m[1]: m[2] for m in re.finditer(r"^  (\w+) +\(\w+\): ([\d.]+) GiB", text, re.MULTILINE)}
+    host = re.search(r"host RAM \(node\): ([\d.]+) GiB", text)[1]
+    return (phase["rollout"], phase["train"], phase["sync"], phase["sync_delta"], host)
+
+
+@pytest.mark.parametrize("path", RECIPES_WITH_A_MODEL, ids=lambda p: p.stem)
+def test_cli_recipe_gives_the_numbers_of_its_header(path, capsys):
+    assert mb.main(["--recipe", str(path)]) == 0  # each recipe fits, as its header says
+    header = MEMORY_LINE.search(path.read_text())
+    assert peaks(capsys.readouterr().out) == header.groups()
+    assert mb.main(["--recipe", path.stem]) == 0  # a bare name in recipes/, as run_grpo_lora.sh takes
+
+
+def test_cli_model_alone_is_judged_with_this_repos_base_recipe(capsys):
+    assert mb.main(["--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--json"]) in (0, 1)
+    settings = json.loads(capsys.readouterr().out)["settings"]
+    # base.yaml: 4 GPUs, ZeRO-3, colocated, LoRA r=64, KL 0; vllm.tensor_parallel_size null -> OpenRLHF's 1
+    assert (settings["gpus"], settings["zero_stage"], settings["colocate"]) == (4, 3, True)
+    assert (settings["lora_rank"], settings["reference"], settings["vllm_tp"]) == (64, "none", 1)
+    # Negative control: not OpenRLHF's defaults (8 GPUs, ZeRO-2, separate vLLM, rank 0).
+    assert settings["gpus"] != 16 and settings["zero_stage"] != 2
+    # The README's 7B fits with its recipe's layout (2 engines x TP2, util 0.77), given here as overrides.
+    layout = ["vllm.num_engines=2", "vllm.tensor_parallel_size=2", "vllm.gpu_memory_utilization=0.77"]
+    args = ["--model", "Qwen/Qwen2.5-VL-7B-Instruct", *(f"--set={item}" for item in layout)]
+    assert mb.main(args) == 0
+    assert mb.main(["--recipe", "recipes/base.yaml", "--model", "Qwen/Qwen2.5-VL-7B-Instruct"]) in (0, 1)
+    assert "Qwen/Qwen2.5-VL-7B-Instruct: 8.29 B parameters" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--set", "ds.lora.rnak=64"],
+            "ds.lora.rnak: not an OpenRLHF 0.11.2 train_ppo_ray flag nor a repo key",
+        ),
+        (["--set", "ds.lora.rank=-4"], "ds.lora.rank"),
+        (["--set", "sync.bucket_mb=0"], "sync.bucket_mb"),
+        (["--recipe", "no-such-recipe"], "no-such-recipe: no such recipe"),
+        (["--set", "ds.lora.target_modules=[no_such_proj]"], "ds.lora.target_modules ('no_such_proj',)"),
+        ([], "no model"),
+    ],
+)
+def test_cli_bad_input_is_one_line_per_problem_exit_2(args, message, capsys):
+    assert mb.main(["--model", "Qwen/Qwen3.5-9B", *args] if args else args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert all(line.startswith("memory_budget: ") for line in err.splitlines())
+    if "rnak" in message:
+        assert "did you mean ds.lora.rank" in err

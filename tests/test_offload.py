@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from openrlhf_lora_sync.cpu_deepspeed import process_env
+from openrlhf_lora_sync.testing.cpu_deepspeed import process_env
 
 ATOL = 1e-6
 MIN_MOVE = 1e-2
@@ -100,11 +100,12 @@ def _lora_state(module) -> dict[str, torch.Tensor]:
 
 def _one_run(model_dir: str, llm, pinned: set, offload: bool) -> dict:
     from openrlhf.utils.deepspeed.deepspeed_utils import offload_deepspeed_states, reload_deepspeed_states
-    from openrlhf_lora_sync import cpu_deepspeed, probe
     from openrlhf_lora_sync import offload as offload_module
-    from openrlhf_lora_sync.logprob_check import vllm_prompt_logprobs
+    from openrlhf_lora_sync import probe
     from openrlhf_lora_sync.plan import SyncState
     from openrlhf_lora_sync.sync import LocalEngines, sync_weights
+    from openrlhf_lora_sync.testing import cpu_deepspeed
+    from openrlhf_lora_sync.testing.logprob_check import vllm_prompt_logprobs
 
     os.environ[offload_module.ENV] = "1" if offload else "0"
     pinned.clear()
@@ -112,7 +113,7 @@ def _one_run(model_dir: str, llm, pinned: set, offload: bool) -> dict:
     strategy = cpu_deepspeed.strategy()
     # No clipping: with offload DeepSpeed computes the gradient norm on another path, whose rounding
     # (1e-8 after step 1, measured) Adam amplifies at step 2, where lora_A's first gradient was zero.
-    model, optimizer, scheduler = cpu_deepspeed.lora_policy(
+    model, optimizer, scheduler = cpu_deepspeed.prepared_lora_actor(
         model_dir, strategy, LORA_TARGETS, lr=LEARNING_RATE, max_norm=0.0
     )
     engine = model.model
@@ -161,8 +162,9 @@ def _one_run(model_dir: str, llm, pinned: set, offload: bool) -> dict:
 
 
 def run_worker(model_dir: str, out: str) -> None:
-    from openrlhf_lora_sync import cpu_deepspeed, openrlhf_patch, probe
-    from openrlhf_lora_sync.logprob_check import start_engine, vllm_prompt_logprobs
+    from openrlhf_lora_sync import openrlhf_patch, probe
+    from openrlhf_lora_sync.testing import cpu_deepspeed
+    from openrlhf_lora_sync.testing.logprob_check import start_engine, vllm_prompt_logprobs
 
     # The engine core first, in its own process, before this one joins a process group.
     llm = start_engine(model_dir, "float32", multiprocess=True)

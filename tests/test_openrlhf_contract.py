@@ -15,8 +15,7 @@ import inspect
 from importlib.metadata import version
 
 import pytest
-
-from scripts.envtool import load_pins
+from openrlhf_lora_sync.pins import load_pins
 
 # symbol path -> its parameters (name, default or inspect.Parameter.empty) as the patch relies on them
 EXPECTED_SIGNATURES = {

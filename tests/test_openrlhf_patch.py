@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from openrlhf.trainer.ray import ppo_actor, vllm_engine
-from openrlhf_lora_sync import openrlhf_patch
+from openrlhf_lora_sync import openrlhf_patch, pins
 from openrlhf_lora_sync.launch import ray_runtime_env
-from openrlhf_lora_sync.logprob_check import LOGPROB_TOLERANCE, hf_prompt_logprobs
-from openrlhf_lora_sync.tiny_models import BYTE_VOCAB_SIZE
+from openrlhf_lora_sync.testing.logprob_check import LOGPROB_TOLERANCE, hf_prompt_logprobs
+from openrlhf_lora_sync.testing.tiny_models import BYTE_VOCAB_SIZE
 
 
 def _patched_state():
@@ -38,12 +38,12 @@ def test_apply_is_idempotent():
 @pytest.mark.parametrize("package, fake_version", [("openrlhf", "0.11.3"), ("vllm", "0.27.1")])
 def test_refuses_versions_it_was_not_written_for(package, fake_version, monkeypatch):
     if package == "openrlhf":
-        monkeypatch.setattr(openrlhf_patch, "version", lambda name: fake_version)
+        monkeypatch.setattr("importlib.metadata.version", lambda name: fake_version)
     else:
         monkeypatch.setattr("vllm.__version__", fake_version)
-    with pytest.raises(openrlhf_patch.UnsupportedVersionError) as error:
-        openrlhf_patch.check_versions()
-    supported = openrlhf_patch.supported_versions()
+    with pytest.raises(pins.UnsupportedVersionError) as error:
+        pins.check_versions()
+    supported = pins.supported_versions()
     assert fake_version in str(error.value)
     assert f"OpenRLHF {supported['openrlhf']}" in str(error.value) and f"vLLM {supported['vllm']}" in str(
         error.value
@@ -95,19 +95,12 @@ def _trainer_and_check(rollout_actor, engine, model_dir, colocated: bool, seed: 
     |logprob diff| from that trainer's HF-merged policy."""
     import copy
 
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
+    from openrlhf_lora_sync.testing.policies import language_linears, lora_policy
 
     # OpenRLHF's policy is bf16 with fp32 adapters.
-    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16)
-    torch.manual_seed(seed)
-    lora = LoraConfig(
-        r=8,
-        lora_alpha=16,
-        target_modules=r".*language_model.*\.(q_proj|v_proj|up_proj)",
-        init_lora_weights=False,
+    policy = lora_policy(
+        model_dir, language_linears(("q_proj", "v_proj", "up_proj")), dtype="bfloat16", seed=seed
     )
-    policy = get_peft_model(base, lora)
     reference = copy.deepcopy(policy).merge_and_unload().eval()
     token_ids = torch.randint(0, BYTE_VOCAB_SIZE, (32,), generator=torch.Generator().manual_seed(1)).tolist()
     expected = hf_prompt_logprobs(reference, token_ids)

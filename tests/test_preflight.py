@@ -15,14 +15,25 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from scripts import memory_budget, preflight, render_recipe
+from openrlhf_lora_sync import memory_budget, preflight
+from openrlhf_lora_sync import recipe as render_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 RTX_4090 = preflight.GpuInfo("NVIDIA GeForce RTX 4090", 23.99)
 H100 = preflight.GpuInfo("NVIDIA H100 80GB HBM3", 79.1)
-USER_27B_FLAGS = memory_budget.USER_27B_FLAGS
+# The user's flags, plus what OpenRLHF's own checks need to accept them: GRPO groups, a reward, and the
+# KL reference on the actor's 4 GPUs (upstream train() asserts it; its default is 8).
+USER_27B_FLAGS = {
+    **memory_budget.USER_27B_FLAGS,
+    "rollout.n_samples_per_prompt": 8,
+    "reward.remote_url": "rewards/math_answer.py",
+    "ref.num_gpus_per_node": 4,
+}
 RECIPE_27B = ROOT / "recipes" / "qwen3_5-27b-4x4090.yaml"
+
+
+def user_27b_run():
+    return render_recipe.load_run(None, [f"{key}={value}" for key, value in USER_27B_FLAGS.items()], {})
 
 
 @pytest.mark.parametrize(
@@ -270,7 +281,7 @@ def test_packages_mismatch_names_the_fix(tmp_path):
 
 def test_memory_fails_for_the_users_27b_with_the_knob():
     spec = memory_budget.model_spec(memory_budget.REFERENCE_CONFIGS["Qwen/Qwen3.5-27B"])
-    budget = memory_budget.estimate(spec, memory_budget.settings_from_flags(USER_27B_FLAGS), "27B")
+    budget = memory_budget.estimate(spec, memory_budget.shape_from_run(user_27b_run()), "27B")
     result = preflight.check_memory(budget, spec)
     assert result.status == preflight.FAIL
     assert "sync:" in result.summary and "vLLM weights 12.7" in result.summary
@@ -286,25 +297,25 @@ def fake_meminfo(tmp_path: Path, available_gib: float) -> Path:
     return meminfo
 
 
-def recipe_27b(*overrides: str) -> dict:
-    return render_recipe.apply_overrides(render_recipe.load_recipe(RECIPE_27B), list(overrides))
+def recipe_27b(*overrides: str) -> render_recipe.Run:
+    return render_recipe.load_run(RECIPE_27B, overrides, {"HOME": "/nonexistent"})
 
 
-def host_check(tmp_path: Path, flags: dict, available_gib: float) -> preflight.CheckResult:
-    spec = memory_budget.model_spec(memory_budget.REFERENCE_CONFIGS[flags["actor.model_name_or_path"]])
-    budget = memory_budget.estimate(spec, memory_budget.settings_from_flags(flags), "27B")
+def host_check(tmp_path: Path, run: render_recipe.Run, available_gib: float) -> preflight.CheckResult:
+    spec = memory_budget.model_spec(memory_budget.REFERENCE_CONFIGS[run.args.actor.model_name_or_path])
+    budget = memory_budget.estimate(spec, memory_budget.shape_from_run(run), "27B")
     return preflight.check_host_memory(budget, spec, fake_meminfo(tmp_path, available_gib))
 
 
 def test_host_memory_against_memavailable(tmp_path):
-    flags = recipe_27b()
-    passed = host_check(tmp_path, flags, 100)
+    run = recipe_27b()
+    passed = host_check(tmp_path, run, 100)
     assert passed.status == preflight.PASS
     assert "81.9 GiB of host RAM" in passed.summary and "trainer base (offload) 51.0" in passed.summary
     assert "100.0 GiB available" in passed.summary
     # Negative control: the same run on a host with 60 GiB available fails, naming less offload and what
     # that does to the GPUs.
-    failed = host_check(tmp_path, flags, 60)
+    failed = host_check(tmp_path, run, 60)
     assert failed.status == preflight.FAIL
     assert "trainer.offload_params: false" in failed.fix and "the GPUs do not fit (rollout" in failed.fix
     assert "sync.vllm_sleep_level: 2" not in failed.fix  # the recipe is at level 2 already

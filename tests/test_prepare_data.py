@@ -18,10 +18,11 @@ from types import SimpleNamespace
 
 import datasets
 import pytest
+from openrlhf_lora_sync import settings
+from openrlhf_lora_sync.tools import prepare_data
 from PIL import Image, ImageDraw
 
 from rewards.math_answer import PROMPT_INSTRUCTIONS
-from scripts import make_sample_data, prepare_data
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_DIR = REPO_ROOT / "data" / "sample"
@@ -138,7 +139,7 @@ def read_jsonl(path: Path) -> list[dict]:
 @pytest.mark.parametrize("kind", ["save_to_disk", "parquet_dir", "parquet_file"])
 def test_converts_local_datasets_and_counts_bad_rows(kind, tmp_path, capsys):
     output_dir = tmp_path / "out"
-    summaries = prepare_data.main(
+    summaries = prepare_data.prepare(
         ["--dataset", str(store_source(kind, tmp_path)), "--output-dir", str(output_dir)]
     )
 
@@ -176,7 +177,7 @@ def test_output_loads_with_openrlhf_prompt_dataset_for_a_vlm(tmp_path, vl_proces
     from openrlhf.utils.vlm_utils import process_prompt_with_images
 
     output_dir = tmp_path / "out"
-    prepare_data.main(
+    prepare_data.prepare(
         ["--dataset", str(store_source("save_to_disk", tmp_path)), "--output-dir", str(output_dir)]
         + ["--answer-format", "think_answer", "--datasource", "geo"]
     )
@@ -227,7 +228,7 @@ def test_rows_over_the_image_limit_are_skipped_and_counted(
 
     as_dataset(IMAGE_COUNT_ROWS).to_parquet(tmp_path / "rows.parquet")
     output_dir = tmp_path / "out"
-    summaries = prepare_data.main(
+    summaries = prepare_data.prepare(
         ["--dataset", str(tmp_path / "rows.parquet"), "--output-dir", str(output_dir)] + flags
     )
 
@@ -248,7 +249,7 @@ def test_rows_over_the_image_limit_are_skipped_and_counted(
 
 
 def test_image_limit_defaults_to_the_recipes_value(tmp_path, monkeypatch):
-    from scripts.render_recipe import load_recipe
+    from openrlhf_lora_sync.recipe import load_recipe
 
     default = prepare_data.parse_args([]).max_images_per_prompt
     recipes = sorted((REPO_ROOT / "recipes").glob("*.yaml"))
@@ -261,6 +262,21 @@ def test_image_limit_defaults_to_the_recipes_value(tmp_path, monkeypatch):
     assert prepare_data.parse_args([]).max_images_per_prompt == 3
 
 
+def test_answer_format_and_output_defaults_are_the_settings_and_the_recipes(capsys):
+    from openrlhf_lora_sync.recipe import load_recipe
+
+    args = prepare_data.parse_args([])
+    assert args.answer_format == settings.get("reward.answer_format").default
+    for answer_format in settings.ANSWER_FORMATS:
+        assert prepare_data.parse_args(["--answer-format", answer_format]).answer_format == answer_format
+    with pytest.raises(SystemExit):
+        prepare_data.parse_args(["--answer-format", "xml"])
+    assert "--answer-format" in capsys.readouterr().err
+    # Written where the recipes read it, whatever the working directory.
+    base = load_recipe(REPO_ROOT / "recipes" / "base.yaml")
+    assert args.output_dir / "train.jsonl" == REPO_ROOT / base["data.prompt_dataset"]
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "one"])
 def test_image_limit_must_be_a_positive_integer(value, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -271,7 +287,7 @@ def test_image_limit_must_be_a_positive_integer(value, capsys):
 
 def test_relative_image_paths(tmp_path, monkeypatch):
     output_dir = tmp_path / "out"
-    prepare_data.main(
+    prepare_data.prepare(
         ["--dataset", str(store_source("parquet_file", tmp_path)), "--output-dir", str(output_dir)]
         + ["--relative-to", str(tmp_path)]
     )
@@ -282,7 +298,7 @@ def test_relative_image_paths(tmp_path, monkeypatch):
 
 
 def test_max_rows_and_split_selection(tmp_path):
-    summaries = prepare_data.main(
+    summaries = prepare_data.prepare(
         ["--dataset", str(store_source("parquet_dir", tmp_path)), "--output-dir", str(tmp_path / "out")]
         + ["--splits", "train", "--max-rows", "2"]
     )
@@ -292,7 +308,7 @@ def test_max_rows_and_split_selection(tmp_path):
 
 def test_missing_column_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="no column 'question'"):
-        prepare_data.main(
+        prepare_data.prepare(
             ["--dataset", str(store_source("parquet_file", tmp_path)), "--output-dir", str(tmp_path / "out")]
             + ["--question-column", "question"]
         )
@@ -304,6 +320,7 @@ def test_cli_help():
         capture_output=True,
         text=True,
         check=True,
+        cwd=Path(__file__).parent,
     )
     assert "--dataset" in completed.stdout and "--relative-to" in completed.stdout
     assert "--max-images-per-prompt" in completed.stdout
@@ -320,9 +337,14 @@ def test_committed_sample_is_small_and_loads_from_the_repo_root(monkeypatch, vl_
             assert all(Image.open(path).size == (224, 224) for path in images)
 
 
-def test_committed_sample_matches_its_generator(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["make_sample_data.py", "--output-dir", str(tmp_path)])
-    make_sample_data.main()
+def test_committed_sample_matches_its_generator(tmp_path):
+    # As a user runs it, from another working directory: the script finds the package, not the cwd.
+    subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "make_sample_data.py"), "--output-dir", str(tmp_path)],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+    )
 
     def without_paths(path: Path) -> list[dict]:
         return [{key: value for key, value in row.items() if key != "images"} for row in read_jsonl(path)]

@@ -27,15 +27,14 @@ import pytest
 import torch
 from openrlhf_lora_sync import openrlhf_patch, worker_extension
 from openrlhf_lora_sync.merge import iter_effective_checkpoint_tensors, sync_units
-from openrlhf_lora_sync.plan import SyncState
-from openrlhf_lora_sync.sync import LocalEngines, sync_weights
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
+from openrlhf_lora_sync.sync import LocalEngines
+from openrlhf_lora_sync.testing.policies import lora_policy, nudge_adapters
 
 FAMILY = "qwen3"  # the smallest tiny model
 DELTA_SYNCS = 50
 RELOAD_LOGGERS = "vllm.model_executor.model_loader.reload"
 SUMMARY_PREFIX = "weight sync: "
+Q_AND_V = ["q_proj", "v_proj"]
 
 
 class _Records(logging.Handler):
@@ -71,31 +70,15 @@ def captured_logs():
             logger.removeHandler(handler)
 
 
-def lora_policy(model_dir):
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    torch.manual_seed(0)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    return get_peft_model(base, config)
-
-
-def nudge(policy, seed: int) -> None:
-    """A tiny training step: every lora_B moves a little."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.add_(torch.randn(param.shape, generator=generator) * 1e-3)
-
-
 @pytest.fixture
-def patched_trainer(tiny_model_dir, sync_engine, rollout_actor, monkeypatch):
+def patched_trainer(tiny_model_dir, tiny_engine, rollout_actor, monkeypatch):
     """A stand-in trainer whose broadcast_to_vllm is the patched one, reaching an engine in-process (the
     shared fp32 one: the patch sends bf16, as to OpenRLHF's bf16 engines, and the worker casts)."""
     for name in ("MODE", "FORCE_FULL", "VLLM_SLEEP_LEVEL", "PROBE_EVERY"):
         monkeypatch.delenv(f"LORA_SYNC_{name}", raising=False)
     monkeypatch.setattr(openrlhf_patch, "RayEngines", lambda engine_list: LocalEngines(*engine_list))
-    policy = lora_policy(tiny_model_dir(FAMILY))
-    trainer = rollout_actor.trainer(policy, sync_engine(FAMILY), colocated=True)
+    policy = lora_policy(tiny_model_dir(FAMILY), Q_AND_V)
+    trainer = rollout_actor.trainer(policy, tiny_engine(FAMILY), colocated=True)
     return trainer, policy
 
 
@@ -105,7 +88,7 @@ def test_delta_syncs_log_one_summary_line_each_and_no_reload_warning(patched_tra
     with captured_logs() as log:
         for step in range(1 + DELTA_SYNCS):  # the first sync is full
             if step:
-                nudge(policy, seed=step)
+                nudge_adapters(policy, seed=step)
             openrlhf_patch.lora_broadcast_to_vllm(trainer)
             probe_diffs.append(trainer._lora_sync_last_stats.probe_max_abs_diff)
     summaries = log.summaries()
@@ -118,7 +101,7 @@ def test_delta_syncs_log_one_summary_line_each_and_no_reload_warning(patched_tra
 
     # Negative control: without the worker's filter vLLM warns about every layer the delta left alone.
     monkeypatch.setattr(worker_extension, "_expected_unloaded_layers", lambda _: contextlib.nullcontext())
-    nudge(policy, seed=DELTA_SYNCS)
+    nudge_adapters(policy, seed=DELTA_SYNCS)
     with captured_logs() as log:
         openrlhf_patch.lora_broadcast_to_vllm(trainer)
     print(f"without the filter, one delta sync: {len(log.reload_warnings())} reload warnings")
@@ -126,9 +109,9 @@ def test_delta_syncs_log_one_summary_line_each_and_no_reload_warning(patched_tra
     assert all(message.endswith("Failed to load weights") for message in log.reload_warnings())
 
 
-def test_a_full_sync_missing_a_layer_still_raises_and_warns_about_it(tiny_model_dir, sync_engine):
-    engines = LocalEngines(sync_engine(FAMILY))
-    policy = lora_policy(tiny_model_dir(FAMILY))
+def test_a_full_sync_missing_a_layer_still_raises_and_warns_about_it(tiny_model_dir, tiny_engine):
+    engines = LocalEngines(tiny_engine(FAMILY))
+    policy = lora_policy(tiny_model_dir(FAMILY), Q_AND_V)
     missed = "model.layers.0.mlp.down_proj.weight"
     tensors = [
         (name, tensor)
@@ -142,7 +125,6 @@ def test_a_full_sync_missing_a_layer_still_raises_and_warns_about_it(tiny_model_
         with pytest.raises(worker_extension.WeightSyncError, match="received nothing in a full sync"):
             engines.rpc("finish_weight_sync", True)
     assert log.reload_warnings() == ["RowParallelLinear: Failed to load weights"]
-    sync_weights(policy, engines, SyncState(), dtype=torch.float32)  # leave the engine whole
 
 
 ENGINE_RUN = """
@@ -152,7 +134,7 @@ if sys.argv[2] == "on":
     quiet_exit.silence_nanobind_leak_report()
 else:  # the control: whatever calls the switch (imported after this) finds it gone
     quiet_exit.silence_nanobind_leak_report = lambda: None
-from openrlhf_lora_sync.logprob_check import start_engine
+from openrlhf_lora_sync.testing.logprob_check import start_engine
 start_engine(sys.argv[1], "float32")
 print("engine started", file=sys.stderr)
 """

@@ -1,11 +1,17 @@
-"""README.md promises: its pin table equals versions.toml, and .ci/run runs the README's test command."""
+"""README.md promises: its pin table equals versions.toml, its recipe memory rows are the estimator's, its
+commands run as written (with the setup's .venv, as the README says to activate it), and .ci/run runs
+the README's test command."""
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
+import subprocess
 from pathlib import Path
 
-from scripts.envtool import load_pins, load_table
+import pytest
+from openrlhf_lora_sync.pins import load_pins, load_table
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -21,17 +27,36 @@ def test_pin_table_matches_versions_toml():
 
 
 def test_recipe_memory_table_is_the_estimators():
-    from scripts import render_recipe
+    from openrlhf_lora_sync.recipe import load_run
+    from openrlhf_lora_sync.tools.render_recipe import memory_report
 
     # The CPU recipes (smoke-cpu, learn-cpu) use no GPU, and their tiny model exists only once a run built it.
     recipes = sorted(
         p for p in (ROOT / "recipes").glob("*.yaml") if p.stem != "base" and not p.stem.endswith("-cpu")
     )
     for recipe in recipes:
-        line = f"| {recipe.name} | {render_recipe.memory_report(render_recipe.load_recipe(recipe))[0]} |"
+        line = f"| {recipe.name} | {memory_report(load_run(recipe, environ={}))[0]} |"
         assert line in README, f"README's memory row for {recipe.name} is stale; expected {line}"
 
 
 def test_ci_runs_the_readme_test_command():
     assert "bash scripts/test.sh" in README
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def readme_python_commands() -> list[list[str]]:
+    block = README.split("```bash", 1)[1].split("```", 1)[0]
+    commands = [line.split("#", 1)[0].split("|", 1)[0].strip() for line in block.splitlines()]
+    return [shlex.split(c)[:2] for c in commands if c.startswith("python ")]
+
+
+@pytest.mark.parametrize("command", readme_python_commands(), ids=lambda c: c[1])
+def test_readme_python_commands_run_with_the_setups_venv(command):
+    """What `source .venv/bin/activate` gives a fresh shell: the venv's python first on PATH, nothing
+    else set up (no PYTHONPATH); run from the repo root, as the README's commands are."""
+    venv_bin = ROOT / ".venv" / "bin"
+    env = {"PATH": f"{venv_bin}{os.pathsep}/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root")}
+    done = subprocess.run(
+        [*command, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-2000:]

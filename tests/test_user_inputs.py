@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from openrlhf_lora_sync.tools import export_merged, verify_sync
 from peft import LoraConfig, get_peft_model
 from transformers import (
     AutoModelForCausalLM,
@@ -44,8 +45,6 @@ from transformers import (
     Qwen3Config,
     Qwen3VLConfig,
 )
-
-from scripts import export_merged, verify_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECIAL_IDS = {

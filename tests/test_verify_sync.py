@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from openrlhf_lora_sync import adapter_mode
-from openrlhf_lora_sync.tiny_models import FAMILIES
+from openrlhf_lora_sync.testing.tiny_models import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from openrlhf_lora_sync.sync import SyncStats
+from openrlhf_lora_sync.tools import wandb_workspace
 
 from rewards.math_answer import reward_func
-from scripts import wandb_workspace
 
 # OpenRLHF's own keys (its experience info and status), which this repo does not produce.
 OPENRLHF_KEYS = {

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from openrlhf_lora_sync.cpu_deepspeed import free_port, process_env
+from openrlhf_lora_sync.testing.cpu_deepspeed import process_env
+from openrlhf_lora_sync.transport import free_port
 
 FAMILY = "qwen2_5_vl"
-LORA_TARGETS = r".*language_model.*\.(q_proj|v_proj|up_proj)"
 LORA_MODULES = ("q_proj", "v_proj", "up_proj")
 ADAPTER_SEED = 1234
 # The gather is a copy and every worker runs the same fp32 ops on one thread: ws1 and ws2 must match
@@ -199,13 +199,10 @@ def _check_close(got, want, atol: float, what: str) -> float:
 
 
 def _make_adapter(model_dir: Path, adapter_dir: Path) -> None:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForImageTextToText
+    from openrlhf_lora_sync.testing.policies import language_linears, lora_policy
 
-    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    torch.manual_seed(ADAPTER_SEED)
-    config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False)
-    get_peft_model(base, config).save_pretrained(adapter_dir)
+    policy = lora_policy(model_dir, language_linears(LORA_MODULES), dtype="float32", seed=ADAPTER_SEED)
+    policy.save_pretrained(adapter_dir)
 
 
 def _peft_merged_reference(model_dir: Path, adapter_dir: Path, out_dir: Path) -> dict[str, torch.Tensor]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +49,7 @@ from openrlhf_lora_sync.merge import (
 from openrlhf_lora_sync.plan import SyncState
 from openrlhf_lora_sync.sync import DEFAULT_BUCKET_BYTES, Engines, SyncStats, sync_weights
 from openrlhf_lora_sync.transport import BroadcastTransport, Send, ShmSlots
+from openrlhf_lora_sync.upstream import vllm_lora_ranks
 
 # model_type -> family name; each is checked against HF's merged model by tests/test_adapter_mode.py.
 SUPPORTED_MODEL_TYPES = {
@@ -62,13 +62,6 @@ SUPPORTED_MODEL_TYPES = {
 VISION_TOWER = "visual"
 # vLLM requires a non-empty lora_path; the adapter is in the engine's memory before a request names it.
 IN_MEMORY_LORA_PATH = "in-memory://openrlhf-lora-sync"
-
-
-def vllm_lora_ranks() -> tuple[int, ...]:
-    """The max_lora_rank values vLLM's LoRAConfig accepts, read from its type."""
-    from vllm.config.lora import LoRAConfig
-
-    return tuple(sorted(typing.get_args(typing.get_type_hints(LoRAConfig)["max_lora_rank"])))
 
 
 def max_lora_rank_for(rank: int) -> int:

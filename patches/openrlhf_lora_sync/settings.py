@@ -1,0 +1,273 @@
+"""This repo's own settings, each written once: recipe key, environment variable, type, choices, bounds,
+default and what it changes. Standard library only (no torch, no yaml): the recipe renderer, the config
+checks, preflight, the memory estimator, the launcher, the patch in every Ray worker and the reward file
+all read it.
+
+A recipe sets a setting by its key (`sync.bucket_mb: 64`); recipe.render turns it into the environment
+variable (`LORA_SYNC_BUCKET_MB=64`), which the launcher forwards to every Ray worker and which the
+run-time code reads with `read()`. A recipe key wins over the environment (`resolve()`), as it does when
+recipe.py launches. Values are checked the same way wherever they come from (`parse()`): type, choices,
+lower bound, and an empty value is refused rather than dropped.
+
+Covers: the settings OpenRLHF does not have (sync, trainer offload, KL reference, reward weights, wandb
+mode) and the two the launcher sets for the workers (LORA_SYNC_LORA_RANK, LORA_SYNC_RUN_ID).
+Does not cover: OpenRLHF's own flags, which its parser checks (recipe.py runs it), nor checks that need
+several settings or the model (config_checks.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+TRUE_WORDS = ("1", "true")
+FALSE_WORDS = ("0", "false")
+
+
+class SettingError(ValueError):
+    """A value a setting does not accept; `key` is the recipe key (or the variable, for launcher-set ones)."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str | None  # recipe key; None: set by the launcher only
+    env: str  # the environment variable it renders to and is read from
+    kind: type  # bool, int, float or str
+    default: object  # None: no default (the reader decides, e.g. the probe's threshold per dtype)
+    maps_to: str  # what it changes, for people (README and recipe comments point here)
+    choices: tuple = ()
+    minimum: float | None = None  # inclusive lower bound of an int/float
+
+    @property
+    def name(self) -> str:
+        return self.key or self.env
+
+    def expected(self) -> str:
+        if self.kind is bool:
+            return "true or false"
+        if self.choices:
+            return "one of " + ", ".join(map(str, self.choices))
+        bound = f" >= {self.minimum:g}" if self.minimum is not None else ""
+        return f"{'an integer' if self.kind is int else 'a number' if self.kind is float else 'text'}{bound}"
+
+    def parse(self, value):
+        """A recipe value (YAML-typed) or an environment string -> the typed value; None -> the default.
+        Raises SettingError naming the key, the value and what it accepts."""
+        if value is None:
+            return self.default
+        wrong = SettingError(f"{self.name}: expected {self.expected()}, got {value!r}", self.name)
+        text = str(value).strip()
+        if text == "":
+            raise SettingError(
+                f"{self.name}: empty value; give {self.expected()}, or null (recipe) / unset the variable "
+                f"for the default ({self.default!r})",
+                self.name,
+            )
+        if self.kind is bool:
+            # true/false in a recipe; the variable's 1/0 (or true/false) as text; never a bare number.
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and text.lower() in TRUE_WORDS + FALSE_WORDS:
+                return text.lower() in TRUE_WORDS
+            raise wrong
+        if isinstance(value, bool | list | dict):
+            raise wrong
+        try:
+            converted = self.kind(text) if self.kind is not int else int(text, 10)
+        except ValueError:
+            raise wrong from None
+        if self.choices and converted not in self.choices:
+            raise wrong
+        if self.minimum is not None and converted < self.minimum:
+            raise wrong
+        return converted
+
+    def to_env(self, value) -> str:
+        """The typed value as its environment variable carries it (booleans as 1/0)."""
+        value = self.parse(value)
+        return ("1" if value else "0") if self.kind is bool else str(value)
+
+
+SYNC_MODES = ("merge", "adapter")
+TRANSPORTS = ("auto", "shm", "cuda_ipc", "broadcast")
+SLEEP_LEVELS = (1, 2)
+ANSWER_FORMATS = ("boxed", "think_answer")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        "sync.mode",
+        "LORA_SYNC_MODE",
+        str,
+        "merge",
+        "merge: vLLM gets merged weights; adapter: vLLM keeps the base and hot-swaps the adapter "
+        "(adapter_mode.py)",
+        choices=SYNC_MODES,
+    ),
+    Setting(
+        "sync.transport",
+        "LORA_SYNC_TRANSPORT",
+        str,
+        "auto",
+        "auto: /dev/shm for colocated engines, broadcast (NCCL) otherwise; cuda_ipc is opt-in (transport.py)",
+        choices=TRANSPORTS,
+    ),
+    Setting(
+        "sync.bucket_mb",
+        "LORA_SYNC_BUCKET_MB",
+        int,
+        128,
+        "MiB of tensors per handoff to the engines (bucket.py); /dev/shm holds two buckets",
+        minimum=1,
+    ),
+    Setting(
+        "sync.force_full", "LORA_SYNC_FORCE_FULL", bool, False, "every sync sends every tensor (plan.py)"
+    ),
+    Setting(
+        "sync.vllm_sleep_level",
+        "LORA_SYNC_VLLM_SLEEP_LEVEL",
+        int,
+        1,
+        "1: vLLM keeps its weights in host RAM while asleep; 2: discards them (every sync is then full)",
+        choices=SLEEP_LEVELS,
+    ),
+    Setting(
+        "sync.probe_every",
+        "LORA_SYNC_PROBE_EVERY",
+        int,
+        1,
+        "post-sync probe after every Nth sync, 0: never (probe.py)",
+        minimum=0,
+    ),
+    Setting(
+        "sync.probe_threshold",
+        "LORA_SYNC_PROBE_THRESHOLD",
+        float,
+        None,
+        "the probe's max abs logprob difference; default probe.PROBE_THRESHOLD for the engine dtype",
+        minimum=0,
+    ),
+    Setting(
+        "sync.reference_from_base",
+        "LORA_SYNC_REFERENCE_FROM_BASE",
+        bool,
+        True,
+        "the KL reference is the policy with its adapters disabled, no reference model (reference_policy.py)",
+    ),
+    Setting(
+        "trainer.offload_params",
+        "LORA_SYNC_OFFLOAD_PARAMS",
+        bool,
+        False,
+        "the policy's ZeRO-3 parameters and optimizer in pinned host memory (offload.py)",
+    ),
+    Setting(
+        "reward.accuracy_weight",
+        "REWARD_ACCURACY_WEIGHT",
+        float,
+        1.0,
+        "weight of the 0/1 accuracy term (rewards/math_answer.py)",
+    ),
+    Setting(
+        "reward.format_weight",
+        "REWARD_FORMAT_WEIGHT",
+        float,
+        0.1,
+        "weight of the 0/1 format term (rewards/math_answer.py)",
+    ),
+    Setting(
+        "reward.answer_format",
+        "REWARD_ANSWER_FORMAT",
+        str,
+        "boxed",
+        "the final-answer format the prompt asks for and the reward parses (rewards/math_answer.py)",
+        choices=ANSWER_FORMATS,
+    ),
+    Setting(
+        "reward.verify_timeout_s",
+        "REWARD_VERIFY_TIMEOUT_S",
+        float,
+        5.0,
+        "wall-clock bound on verifying one sample (rewards/math_answer.py)",
+        minimum=0.01,
+    ),
+    Setting(
+        "reward.verify_workers",
+        "REWARD_VERIFY_WORKERS",
+        int,
+        2,
+        "verifier subprocesses per process that loads the reward (rewards/math_answer.py)",
+        minimum=1,
+    ),
+    Setting(
+        "logger.wandb.mode",
+        "WANDB_MODE",
+        str,
+        "auto",
+        "auto: the shell's WANDB_MODE, else online with an API key, else offline (recipe.py)",
+        choices=WANDB_MODES,
+    ),
+    Setting(
+        None,
+        "LORA_SYNC_LORA_RANK",
+        int,
+        0,
+        "the trainer's LoRA rank for the workers (adapter-mode engines, the KL reference); the launcher sets "
+        "it from --ds.lora.rank",
+        minimum=0,
+    ),
+    Setting(
+        None,
+        "LORA_SYNC_RUN_ID",
+        str,
+        "norun",
+        "names this run's /dev/shm bucket files; the launcher sets it and removes them at the end",
+    ),
+)
+
+BY_KEY = {s.key: s for s in SETTINGS if s.key}
+BY_ENV = {s.env: s for s in SETTINGS}
+
+
+def get(name: str) -> Setting:
+    """The setting of a recipe key or an environment variable name."""
+    found = BY_KEY.get(name) or BY_ENV.get(name)
+    if found is None:
+        raise KeyError(f"{name}: not a setting of this repo (settings.SETTINGS)")
+    return found
+
+
+def read(name: str, environ: Mapping[str, str] | None = None):
+    """A setting's typed value from the environment (unset or empty: the default). What the run-time
+    code calls; a bad value raises SettingError naming the variable."""
+    setting = get(name)
+    environ = os.environ if environ is None else environ
+    raw = environ.get(setting.env, "")
+    if raw == "":
+        return setting.default
+    try:
+        return setting.parse(raw)
+    except SettingError as error:
+        raise SettingError(f"{setting.env}={raw!r}: {str(error).split(': ', 1)[1]}", setting.env) from None
+
+
+def resolve(name: str, flags: Mapping, environ: Mapping[str, str] | None = None):
+    """A setting for a run: the recipe key if the flags set it (not null), else the environment, else the
+    default."""
+    setting = get(name)
+    if setting.key and flags.get(setting.key) is not None:
+        return setting.parse(flags[setting.key])
+    return read(name, environ)
+
+
+def resolved_transport(transport: str, colocated: bool) -> str:
+    """sync.transport with `auto` resolved as the patch resolves it: /dev/shm files for engines colocated
+    with the trainer, a broadcast group otherwise (the engines may sit on other nodes)."""
+    if transport != "auto":
+        return transport
+    return "shm" if colocated else "broadcast"
