@@ -113,9 +113,9 @@ def test_the_same_bad_input_gets_the_same_message_everywhere(
 )
 def test_null_never_crashes_an_entry_point(overrides, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", "/nonexistent")
-    assert render_recipe.main([RECIPE, *overrides, "--dry-run"]) in (0, 2)
+    assert render_recipe.main([RECIPE, *overrides, "--dry-run"]) == 0  # null: OpenRLHF's default applies
     sets = [token for override in overrides for token in ("--set", override)]
-    assert memory_budget.main(["--recipe", RECIPE, *sets]) in (0, 1, 2)
+    assert memory_budget.main(["--recipe", RECIPE, *sets]) in (0, 1)  # fits or not, never refused
     plan = preflight.Plan(preflight.load_plan_run(RECIPE, overrides), output_dir=tmp_path, stack="cpu")
     assert {result.name for result in preflight.run_checks(plan)} >= {"memory", "disk", "lora_config"}
 

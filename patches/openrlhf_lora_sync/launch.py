@@ -23,8 +23,6 @@ import signal
 import sys
 import uuid
 
-from openrlhf_lora_sync import settings
-
 SETUP_HOOK = "openrlhf_lora_sync.openrlhf_patch.apply"
 FORWARDED_PREFIXES = ("LORA_SYNC_", "REWARD_", "WANDB_", "HF_", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_")
 # What train_ppo_ray's own ray.init would set; it skips its init when Ray is already up.
@@ -58,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(problem.fatal for problem in problems):
         return 2
     # Adapter-mode engines size their LoRA layers for the trainer's rank; they read it from here.
-    os.environ[settings.get("LORA_SYNC_LORA_RANK").env] = str(run.args.ds.lora.rank)
+    os.environ["LORA_SYNC_LORA_RANK"] = str(run.args.ds.lora.rank)
     apply()
 
     import ray

@@ -514,6 +514,14 @@ def shape_from_run(run, gpu_mem_gib: float = 24.0) -> RunShape:
     )
 
 
+def estimate_run(run, gpu_mem_gib: float = 24.0) -> tuple[ModelSpec, Budget]:
+    """The estimate of a recipe.Run's model (a local directory or a hub id in REFERENCE_CONFIGS) under its
+    settings. Raises OSError when there is no config, ValueError for a model this cannot count."""
+    model = str(run.args.actor.model_name_or_path)
+    spec = model_spec(load_config(model))
+    return spec, estimate(spec, shape_from_run(run, gpu_mem_gib), model)
+
+
 PROCESS_OVERHEAD = int(0.5 * GIB)
 CUDA_GRAPHS = int(0.5 * GIB)
 HEADROOM = GIB // 2
@@ -980,8 +988,7 @@ def main(argv: list[str] | None = None) -> int:
     if not model:
         return _error("no model: give --model, or a recipe that sets actor.model_name_or_path")
     try:
-        spec = model_spec(load_config(model))
-        budget = estimate(spec, shape_from_run(run, args.gpu_mem_gib), str(model))
+        spec, budget = estimate_run(run, args.gpu_mem_gib)
     except (OSError, ValueError) as error:  # no config, a model transformers or peft refuses
         return _error(str(error).splitlines()[0])
     if args.json:

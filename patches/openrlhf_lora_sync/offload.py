@@ -40,8 +40,7 @@ from openrlhf_lora_sync import settings
 
 logger = logging.getLogger("openrlhf_lora_sync")
 
-SETTING = settings.get("trainer.offload_params")
-ENV = SETTING.env
+ENV = settings.get("trainer.offload_params").env
 PINNED_CPU = {"device": "cpu", "pin_memory": True}
 _OFFLOADED_ACTOR = "_lora_sync_offload_params"
 _BUILDING_OFFLOADED = "_lora_sync_building_offloaded_actor"

@@ -560,9 +560,6 @@ class Run:
         """A repo setting's typed value: the recipe's key, else the environment, else its default."""
         return settings.resolve(name, self.flags, self.environ)
 
-    def command(self, python: str = "python", mask_secrets: bool = True) -> list[str]:
-        return Rendered(self.argv, self.env).command(python, mask_secrets)
-
 
 def _environment_errors(flags: Mapping, environ: Mapping[str, str]) -> list[str]:
     """Settings the recipe leaves to the environment whose variable holds a value they refuse."""

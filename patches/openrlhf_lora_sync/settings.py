@@ -55,16 +55,17 @@ class Setting:
         bound = f" >= {self.minimum:g}" if self.minimum is not None else ""
         return f"{'an integer' if self.kind is int else 'a number' if self.kind is float else 'text'}{bound}"
 
-    def parse(self, value):
+    def parse(self, value, shown_as: str | None = None):
         """A recipe value (YAML-typed) or an environment string -> the typed value; None -> the default.
-        Raises SettingError naming the key, the value and what it accepts."""
+        Raises SettingError naming the key (or `shown_as`, e.g. "VAR='x'"), the value and what it accepts."""
         if value is None:
             return self.default
-        wrong = SettingError(f"{self.name}: expected {self.expected()}, got {value!r}", self.name)
+        label = shown_as or self.name
+        wrong = SettingError(f"{label}: expected {self.expected()}, got {value!r}", self.name)
         text = str(value).strip()
         if text == "":
             raise SettingError(
-                f"{self.name}: empty value; give {self.expected()}, or null (recipe) / unset the variable "
+                f"{label}: empty value; give {self.expected()}, or null (recipe) / unset the variable "
                 f"for the default ({self.default!r})",
                 self.name,
             )
@@ -78,7 +79,7 @@ class Setting:
         if isinstance(value, bool | list | dict):
             raise wrong
         try:
-            converted = self.kind(text) if self.kind is not int else int(text, 10)
+            converted = self.kind(text)
         except ValueError:
             raise wrong from None
         if self.choices and converted not in self.choices:
@@ -248,12 +249,7 @@ def read(name: str, environ: Mapping[str, str] | None = None):
     setting = get(name)
     environ = os.environ if environ is None else environ
     raw = environ.get(setting.env, "")
-    if raw == "":
-        return setting.default
-    try:
-        return setting.parse(raw)
-    except SettingError as error:
-        raise SettingError(f"{setting.env}={raw!r}: {str(error).split(': ', 1)[1]}", setting.env) from None
+    return setting.default if raw == "" else setting.parse(raw, shown_as=f"{setting.env}={raw!r}")
 
 
 def resolve(name: str, flags: Mapping, environ: Mapping[str, str] | None = None):

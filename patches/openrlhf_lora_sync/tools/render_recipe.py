@@ -35,12 +35,11 @@ def memory_report(run: Run, gpu_mem_gib: float = 24.0) -> list[str]:
     if not model:
         return ["not estimated (no actor.model_name_or_path)"]
     try:
-        spec = memory_budget.model_spec(memory_budget.load_config(model))
+        _, budget = memory_budget.estimate_run(run, gpu_mem_gib)
     except FileNotFoundError:
         return [f"not estimated ({model}: no config.json there, nor a reference config in memory_budget.py)"]
     except ValueError as error:
         return [f"not estimated ({error})"]
-    budget = memory_budget.estimate(spec, memory_budget.shape_from_run(run, gpu_mem_gib))
     phases = {"rollout": "rollout", "train": "train", "sync": "sync", "delta sync": "sync_delta"}
     peaks = ", ".join(
         f"{label} {memory_budget.gib(budget.phase(name).total)}" for label, name in phases.items()
