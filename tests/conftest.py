@@ -136,15 +136,16 @@ def training_step():
     return step
 
 
-def _start_rollout_actor(model_dir: str):
+def _start_rollout_actor(model_dir: str, **options):
     """OpenRLHF's own engine actor (patched; in adapter mode when LORA_SYNC_MODE says so) on `model_dir`,
     as create_vllm_engines builds it: bf16 (create_vllm_engines hardcodes it), upstream's worker class
-    (the patch swaps in its own). Ray must be up with the launcher's runtime env."""
+    (the patch swaps in its own). Ray must be up with the launcher's runtime env. `options`: more Ray
+    actor options (resources, scheduling_strategy: which node)."""
     from openrlhf.trainer.ray import vllm_engine
     from openrlhf_lora_sync import openrlhf_patch
 
     openrlhf_patch.apply()
-    return vllm_engine.RolloutRayActor.options(num_cpus=1, num_gpus=0).remote(
+    return vllm_engine.RolloutRayActor.options(num_cpus=1, num_gpus=0, **options).remote(
         model=str(model_dir),
         dtype="bfloat16",
         seed=0,
@@ -171,6 +172,29 @@ def _stand_in_trainer(policy, engine, colocated: bool):
     )
 
 
+def _policy_trainer_and_check(engine, model_dir: str, colocated: bool, seed: int):
+    """(stand-in trainer, check): a bf16 LoRA policy with fp32 adapters (OpenRLHF's), random adapters of
+    `seed` on q/v/up_proj, in a stand-in trainer for the engine actor `engine`; check() -> the actor's
+    max |prompt logprob - the policy's as it is now (HF-merged copy)| on a fixed 32-token sequence."""
+    import copy
+
+    import torch
+    from openrlhf_lora_sync.testing.logprob_check import hf_prompt_logprobs
+    from openrlhf_lora_sync.testing.policies import language_linears, lora_policy
+    from openrlhf_lora_sync.testing.tiny_models import BYTE_VOCAB_SIZE
+
+    policy = lora_policy(
+        model_dir, language_linears(("q_proj", "v_proj", "up_proj")), dtype="bfloat16", seed=seed
+    )
+    token_ids = torch.randint(0, BYTE_VOCAB_SIZE, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def check() -> float:
+        reference = copy.deepcopy(policy).merge_and_unload().eval()
+        return _actor_logprob_diff(engine, token_ids, hf_prompt_logprobs(reference, token_ids))
+
+    return _stand_in_trainer(policy, engine, colocated), check
+
+
 def _actor_logprob_diff(engine, token_ids: list[int], expected: torch.Tensor) -> float:
     """Max |prompt logprob - expected| through the actor's own generate (what rollouts call)."""
     import ray
@@ -187,11 +211,19 @@ def _actor_logprob_diff(engine, token_ids: list[int], expected: torch.Tensor) ->
 @pytest.fixture(scope="session")
 def rollout_actor():
     """Helpers for tests driving OpenRLHF's engine actor through the patched broadcast_to_vllm:
-    start(model_dir) -> the actor; trainer(policy, engine, colocated) -> a stand-in trainer;
-    diff(engine, token_ids, expected) -> the actor's max |prompt logprob - expected|."""
+    start(model_dir, **ray_options) -> the actor; trainer(policy, engine, colocated) -> a stand-in trainer;
+    diff(engine, token_ids, expected) -> the actor's max |prompt logprob - expected|;
+    trainer_and_check(engine, model_dir, colocated, seed) -> (stand-in trainer around a bf16 LoRA policy,
+    check() -> the engine's max |logprob diff| from that policy as it is now). All run in Ray actors too
+    (tests/test_two_node.py ships this module to them by value)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(start=_start_rollout_actor, trainer=_stand_in_trainer, diff=_actor_logprob_diff)
+    return SimpleNamespace(
+        start=_start_rollout_actor,
+        trainer=_stand_in_trainer,
+        diff=_actor_logprob_diff,
+        trainer_and_check=_policy_trainer_and_check,
+    )
 
 
 WANDB_LOG_HEADER_BYTES = 7  # ":W&B", a 2-byte magic, a version byte

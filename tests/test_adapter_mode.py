@@ -271,7 +271,7 @@ def adapter_mode_ray(tiny_model_dir):
 
 
 def test_patched_openrlhf_engine_actor_serves_the_adapter(
-    adapter_mode_ray, tiny_model_dir, training_step, rollout_actor
+    adapter_mode_ray, tiny_model_dir, training_step, rollout_actor, monkeypatch
 ):
     """OpenRLHF's own engine actor (AsyncLLM, V1 multiprocessing) patched for adapter mode, and the patched
     broadcast_to_vllm: LoRA is enabled at start, the adapter crosses the engine-core process boundary, and
@@ -303,6 +303,8 @@ def test_patched_openrlhf_engine_actor_serves_the_adapter(
     training_step(policy)
     stale = diff()
     trainer.strategy.args.train.colocate_all = False
+    # auto picks shm for an engine on the trainer's Ray node without CUDA (this host): ask for broadcast.
+    monkeypatch.setenv("LORA_SYNC_TRANSPORT", "broadcast")
     ppo_actor.ActorPPOTrainer.broadcast_to_vllm(trainer)
     assert trainer._lora_sync_broadcast.group is not None and trainer._lora_sync_state.lora_id == 3
     assert stale > 10 * tolerance and diff() <= tolerance, f"stale {stale:.3g}"

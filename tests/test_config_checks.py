@@ -166,6 +166,20 @@ CASES = [
         ("2 (OpenRLHF's default)", "set ds.zero_stage: 3"),
     ),
     Case(
+        "data.max_len above the model's max_position_embeddings (the tiny model's 4096)",
+        via_preflight_lora,
+        {"data.max_len": 8192},
+        {"data.max_len": 4096},
+        ("data.max_len", "max_position_embeddings 4096", "data.max_len: 4096 or less"),
+    ),
+    Case(
+        "data.max_len above the model's length, launcher flags",
+        via_launcher_flags,
+        ["--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj", "--data.max_len", "5000"],
+        ["--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj", "--data.max_len", "4000"],
+        ("max_model_len", "data.max_len: 4096 or less"),
+    ),
+    Case(
         "flags passed by hand to the launcher",
         via_launcher_flags,
         ["--ds.lora.rank", "8", "--ds.lora.target_modules", "q_proj", "--ds.lora.use_dora"],
@@ -252,7 +266,9 @@ def test_launcher_removes_the_runs_shm_files_however_training_ends(context, monk
     from openrlhf_lora_sync import transport
 
     monkeypatch.setenv(transport.RUN_ID_ENV, "test-run-cleanup")
-    monkeypatch.setenv("LORA_SYNC_LORA_RANK", "0")  # the launcher sets it; restored after the test
+    # The launcher sets these in its own environment; restored after the test.
+    for name in ("LORA_SYNC_LORA_RANK", "LORA_SYNC_WORKDIR", "WANDB_DIR", "DS_ACCELERATOR"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(signal, "signal", lambda *args: None)  # keep pytest's own SIGTERM handling
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     other_run = os.path.join(transport.SHM_DIR, f"{transport.SHM_FILE_PREFIX}other-run-1-x.bin")

@@ -1,11 +1,11 @@
 """The CPU learning run (recipes/learn-cpu.yaml through scripts/smoke_cpu.py --control) and its reward.
 
 Covers: rewards/ascii_fraction.py, loaded by OpenRLHF's own executor, on every row of its docstring's
-table; the learning run as the recipe has it (12 steps): the synced run's mean reward over its last 5
+table; the learning run as the recipe has it (16 steps): the synced run's mean reward over its last 5
 steps beats its first 5 by LEARNING_MARGIN while the control's (same seeds and data, engine never synced
 after step 0) does not; both runs start from the same samples; the control's engine really is stale and
-the synced one is not; summary.json, the offline wandb run and reward.png hold both curves; without a GPU
-`bash scripts/run_grpo_lora.sh` starts the learning run with its control (shortened to 1 step).
+the synced one is not; summary.json, the offline wandb run and reward.png hold both curves. This is the
+in-process driver (a fast test helper); the main job, OpenRLHF's real trainer, is tests/test_cpu_run.py.
 Does not cover: its time (measured by hand, see scripts/smoke_cpu.py), GPUs, Ray.
 
 Seeded: the tiny model (conftest, seed 0), the LoRA init and every rollout sample (--seed 0) are fixed, so
@@ -14,7 +14,6 @@ the run is the same each time on a given machine; other seeds are measured in sc
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +25,7 @@ from rewards import REWARDS, ascii_fraction, reward_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "learn-cpu.yaml"
-STEPS = 12  # the recipe's: 3 episodes of 4 steps
+STEPS = 16  # the recipe's 4 episodes of 8 samples / 2 prompts a step (the driver cycles the 6 rows)
 # First-5 to last-5 means, seeds 0-3 (scripts/smoke_cpu.py): the synced run +0.28 to +0.42 (from about 40%
 # ASCII to all of it; the rise starts within the first 5 steps), the control -0.02 to +0.01 (sampling noise
 # around its initial rate).
@@ -159,35 +158,5 @@ def test_the_recipe_runs_the_full_learning_run(tmp_path):
     smoke = smoke_cpu.smoke_run(smoke_cpu.parse_args(["--recipe", str(RECIPE), "--control"]))
     assert smoke.control and smoke.reward_file == reward_file("ascii_fraction")
     prompts_per_step = smoke.args.rollout.batch_size
-    assert smoke.steps == STEPS == math.ceil(8 / prompts_per_step) * 3 >= 2 * smoke_cpu.REWARD_WINDOW
+    assert smoke.steps == STEPS == math.ceil(8 / prompts_per_step) * 4 >= 2 * smoke_cpu.REWARD_WINDOW
     assert smoke.args.ds.lora.target_modules == ["lm_head"]
-
-
-@pytest.mark.slow
-def test_the_main_job_runs_the_learning_run_without_a_gpu(tmp_path):
-    """`bash scripts/run_grpo_lora.sh` as a user types it on a machine without a GPU (shortened by overrides):
-    no recipe given -> recipes/learn-cpu.yaml -> scripts/smoke_cpu.py --control, exit 0 with both runs."""
-    import os
-    import subprocess
-
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")  # no GPU here, whatever the host has
-    (tmp_path / "nvidia-smi").chmod(0o755)
-    out = tmp_path / "out"
-    overrides = ["rollout.batch_size=1", "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=4"]
-    overrides += [
-        "data.max_samples=1",
-        "train.num_episodes=1",
-        "train.batch_size=2",
-        f"ckpt.output_dir={out}",
-    ]
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "run_grpo_lora.sh"), *overrides],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "learn-cpu.yaml" in done.stderr and "smoke_cpu: OK: 1 steps" in done.stdout
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["control_reward_first"] == summary["reward_first"]  # one step: the same samples
-    for run in (out, out / "control"):
-        assert (run / "checkpoints" / "step-1" / "adapter_config.json").is_file()

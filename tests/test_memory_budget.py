@@ -478,8 +478,12 @@ MEMORY_LINE = re.compile(
 
 
 def has_model_config(path: Path) -> bool:
+    """A GPU recipe whose model config is known. The CPU recipes' tiny model exists once a CPU run built it
+    (in outputs/), but they have no memory header: no GPU."""
     model = recipe.load_recipe(path).get("actor.model_name_or_path")
-    return bool(model) and (model in mb.REFERENCE_CONFIGS or (ROOT / model / "config.json").is_file())
+    if not model or path.stem.endswith("-cpu"):
+        return False
+    return model in mb.REFERENCE_CONFIGS or (ROOT / model / "config.json").is_file()
 
 
 RECIPES_WITH_A_MODEL = [p for p in sorted((ROOT / "recipes").glob("*.yaml")) if has_model_config(p)]

@@ -4,8 +4,10 @@ patched `ActorPPOTrainer.broadcast_to_vllm` itself syncing a LoRA policy into a 
 The engine test runs OpenRLHF's own `RolloutRayActor` (vLLM's AsyncLLM with V1 multiprocessing, so the
 engine core is a separate, non-Ray process that loads the worker extension by import name) on CPU,
 and calls the patched method (not a copy) with the trainer's attributes it reads.
-It runs once per transport OpenRLHF's settings select: colocated engines get /dev/shm buckets, the
-others a broadcast over a process group with the engine workers (gloo here, NCCL on GPUs).
+It runs once per transport: colocated engines get /dev/shm buckets (sync.transport auto), and with
+LORA_SYNC_TRANSPORT=broadcast (what auto picks for engines on another Ray node: tests/test_two_node.py)
+engines that are not colocated get a broadcast over a process group with the engine workers (gloo here,
+NCCL on GPUs).
 Does not cover: a whole `train_ppo_ray` run (the CPU smoke issue), CUDA IPC or NCCL (gpu tests).
 """
 
@@ -14,12 +16,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 from openrlhf.trainer.ray import ppo_actor, vllm_engine
 from openrlhf_lora_sync import openrlhf_patch, pins
 from openrlhf_lora_sync.launch import ray_runtime_env
-from openrlhf_lora_sync.testing.logprob_check import LOGPROB_TOLERANCE, hf_prompt_logprobs
-from openrlhf_lora_sync.testing.tiny_models import BYTE_VOCAB_SIZE
+from openrlhf_lora_sync.testing.logprob_check import LOGPROB_TOLERANCE
 
 
 def _patched_state():
@@ -90,47 +90,31 @@ def engine_actor(ray_cluster, tiny_model_dir, rollout_actor):
     return engine
 
 
-def _trainer_and_check(rollout_actor, engine, model_dir, colocated: bool, seed: int):
-    """A trainer carrying what the patched broadcast_to_vllm reads, and a function giving the engine's max
-    |logprob diff| from that trainer's HF-merged policy."""
-    import copy
-
-    from openrlhf_lora_sync.testing.policies import language_linears, lora_policy
-
-    # OpenRLHF's policy is bf16 with fp32 adapters.
-    policy = lora_policy(
-        model_dir, language_linears(("q_proj", "v_proj", "up_proj")), dtype="bfloat16", seed=seed
-    )
-    reference = copy.deepcopy(policy).merge_and_unload().eval()
-    token_ids = torch.randint(0, BYTE_VOCAB_SIZE, (32,), generator=torch.Generator().manual_seed(1)).tolist()
-    expected = hf_prompt_logprobs(reference, token_ids)
-    trainer = rollout_actor.trainer(policy, engine, colocated)
-    return trainer, lambda: rollout_actor.diff(engine, token_ids, expected)
-
-
 @pytest.mark.parametrize(
     "colocated, transport",
     [
-        (True, "shm"),  # colocated engines: /dev/shm buckets
+        (True, "shm"),  # colocated engines: /dev/shm buckets (auto)
         (False, "broadcast"),  # engines elsewhere: a process group with the engine workers (gloo on CPU)
     ],
 )
 def test_patched_broadcast_to_vllm_syncs_a_real_engine_actor(
-    colocated, transport, engine_actor, tiny_model_dir, rollout_actor
+    colocated, transport, engine_actor, tiny_model_dir, rollout_actor, monkeypatch
 ):
     from openrlhf_lora_sync.transport import BroadcastTransport
 
+    # auto picks shm for an engine on the trainer's Ray node without CUDA (this host): ask for broadcast.
+    monkeypatch.setenv("LORA_SYNC_TRANSPORT", "auto" if transport == "shm" else transport)
+
     # A different seed per case: the engine holds the previous case's policy, which must not match this one.
-    trainer, engine_diff = _trainer_and_check(
-        rollout_actor, engine_actor, str(tiny_model_dir("qwen2_5_vl")), colocated, seed=colocated
+    trainer, engine_diff = rollout_actor.trainer_and_check(
+        engine_actor, str(tiny_model_dir("qwen2_5_vl")), colocated, seed=int(colocated)
     )
     before = engine_diff()
-    ppo_actor.ActorPPOTrainer.broadcast_to_vllm(
-        trainer
-    )  # the patched upstream method, LORA_SYNC_TRANSPORT=auto
+    ppo_actor.ActorPPOTrainer.broadcast_to_vllm(trainer)  # the patched upstream method
     after = engine_diff()
 
     assert trainer._lora_sync_last_stats.mode == "full"
+    assert trainer._lora_sync_last_stats.transport == transport
     assert isinstance(getattr(trainer, "_lora_sync_broadcast", None), BroadcastTransport) == (
         transport == "broadcast"
     )

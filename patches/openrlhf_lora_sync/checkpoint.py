@@ -23,6 +23,18 @@ Where the filesystem has no RENAME_EXCHANGE (it answers EINVAL/ENOSYS), the prev
 first renamed aside to `.<name>.previous-<pid>` and then deleted: a kill between those two renames
 leaves it there, whole, rather than at the target.
 
+Resume (`logging_resume`, installed by openrlhf_patch.apply around `DeepspeedStrategy.load_ckpt`, which
+PolicyModelActor calls with --ckpt.load_enable when <ckpt.path>/_actor exists): after DeepSpeed has
+loaded a checkpoint, every rank gathers the policy's LoRA parameters (ZeRO-3: GatheredParameters over
+them only) and rank 0 logs one line, from logger openrlhf_lora_sync:
+    resumed from <ckpt.path>/_actor/global_step<N> at global step <N>, LoRA adapter sha256 <hex>
+    over its <n> tensors   (one line in the log)
+`adapter_digest` is that digest, over the state peft's get_peft_model_state_dict gives (the names and
+dtypes save_pretrained writes: no ".default", "base_model.model." kept), LoRA tensors only (names with
+"lora_"; with lm_head or embed_tokens targeted peft also writes their base weights, which are not the
+adapter); `saved_adapter_digest(<ckpt.path>/global_step<N>_hf)` computes the same from the saved file, so
+the resumed adapter can be checked bit for bit against the one saved at that step.
+
 Does not cover: DeepSpeed's own resume checkpoints under <ckpt.path>/_actor (DeepSpeed writes each tag
 in its own directory and the `latest` file after it; OpenRLHF's rotation to ckpt.max_num happens before
 the new one is written), nor filesystems without atomic rename (some network filesystems).
@@ -34,10 +46,14 @@ import contextlib
 import ctypes
 import errno
 import functools
+import hashlib
+import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+
+logger = logging.getLogger("openrlhf_lora_sync")  # openrlhf_patch.apply gives it OpenRLHF's handler
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -181,3 +197,84 @@ def atomic_save_model(upstream_save_model):
             return upstream_save_model(self, model, tokenizer, str(staging), **kwargs)
 
     return save_model
+
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")  # what peft / OpenRLHF's save_model write
+
+
+def adapter_digest(state_dict: Mapping) -> tuple[str, int]:
+    """(sha256 hex, number of tensors) of a peft adapter state dict's LoRA tensors (names containing
+    "lora_"), in name order: each tensor's name, dtype, shape and raw bytes. The same for the adapter a
+    resumed trainer holds (loaded_adapter_state) and the adapter file saved at that step."""
+    import torch
+
+    digest = hashlib.sha256()
+    names = sorted(name for name in state_dict if "lora_" in name)
+    for name in names:
+        tensor = state_dict[name].detach().cpu().contiguous()
+        header = f"{name}\0{str(tensor.dtype).removeprefix('torch.')}\0{list(tensor.shape)}\0"
+        digest.update(header.encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest(), len(names)
+
+
+def saved_adapter_digest(directory: str | os.PathLike) -> tuple[str, int]:
+    """adapter_digest of the peft adapter saved in `directory` (adapter_model.safetensors or .bin)."""
+    import torch
+
+    directory = Path(directory)
+    for name in ADAPTER_FILES:
+        path = directory / name
+        if path.exists():
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return adapter_digest(load_file(path))
+            return adapter_digest(torch.load(path, map_location="cpu", weights_only=True))
+    raise FileNotFoundError(f"{directory}: no {' or '.join(ADAPTER_FILES)}")
+
+
+def loaded_adapter_state(model) -> dict:
+    """The LoRA state of a peft model as save_pretrained writes it (get_peft_model_state_dict, without the
+    embedding base weights), on CPU; {} for a model without peft adapters. Under ZeRO-3 its LoRA parameters
+    are gathered (only those): collective, every rank calls it."""
+    from peft import PeftModel, get_peft_model_state_dict
+
+    if not isinstance(model, PeftModel):
+        return {}
+    lora = [(name, param) for name, param in model.named_parameters() if "lora_" in name]
+    gather = contextlib.nullcontext()
+    if any(hasattr(param, "ds_id") for _, param in lora):
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters([param for _, param in lora], modifier_rank=None)
+    with gather:
+        state = {name: param.detach().cpu().clone() for name, param in lora}
+    return get_peft_model_state_dict(model, state_dict=state, save_embedding_layers=False)
+
+
+def resume_line(load_path: str | None, states: Mapping, state: Mapping) -> str:
+    """The line logged after a resume (see the module's docstring)."""
+    where = Path(load_path)
+    where = where.parent if where.is_file() else where  # DeepSpeed returns its model-states file
+    line = f"resumed from {where} at global step {states.get('global_step', 'unknown')}"
+    if not state:
+        return f"{line}, no LoRA adapter"
+    digest, count = adapter_digest(state)
+    return f"{line}, LoRA adapter sha256 {digest} over its {count} tensors"
+
+
+def logging_resume(upstream_load_ckpt):
+    """`DeepspeedStrategy.load_ckpt` that, when a checkpoint was loaded, logs resume_line on rank 0 from
+    the adapter the model now holds (every rank takes part in the ZeRO-3 gather)."""
+
+    @functools.wraps(upstream_load_ckpt)
+    def load_ckpt(self, model, *args, **kwargs):
+        load_path, states = upstream_load_ckpt(self, model, *args, **kwargs)
+        if load_path is not None:
+            state = loaded_adapter_state(self._unwrap_model(model))
+            if self.is_rank_0():
+                logger.info("%s", resume_line(load_path, states or {}, state))
+        return load_path, states
+
+    return load_ckpt

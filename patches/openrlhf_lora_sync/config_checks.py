@@ -26,6 +26,8 @@ Covers
 - Trainer base offload (trainer.offload_params / LORA_SYNC_OFFLOAD_PARAMS, offload.py) with a ZeRO stage
   other than 3 (parameter offload is ZeRO-3's; OpenRLHF's default is 2) or with --ds.load_in_4bit
   (bitsandbytes' 4-bit weights are not ZeRO-3 parameters DeepSpeed can offload).
+- data.max_len (train_ppo_ray.py:53 passes it to vLLM as max_model_len) above the model's
+  max_position_embeddings: vLLM refuses that inside its engine actor, after the trainer has loaded.
 - OpenRLHF/vLLM releases other than the pinned ones (pins.check_versions).
 Does not cover: host checks (the transport the host forbids is preflight's `transport` check, which
 needs its pidfd_getfd probe), nor whether the model fits (memory_budget.py).
@@ -253,6 +255,30 @@ def target_problems(run, model: str, reference: dict | None = None) -> list[Conf
     ]
 
 
+def length_problems(run, model: str) -> list[ConfigProblem]:
+    """data.max_len against the model's max_position_embeddings (its text config's, for a VLM), when the
+    model's config is here; vLLM refuses a max_model_len above it."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+    except (OSError, ValueError):
+        return []  # target_problems reports the missing config
+    text_config = getattr(config, "text_config", None) or config
+    limit = getattr(text_config, "max_position_embeddings", None)
+    max_len = run.args.data.max_len
+    if limit is None or max_len is None or max_len <= limit:
+        return []
+    return [
+        ConfigProblem(
+            "data.max_len",
+            f"{max_len} is above {model}'s max_position_embeddings {limit}, and OpenRLHF gives data.max_len "
+            "to vLLM as max_model_len, which vLLM refuses above the model's length",
+            f"data.max_len: {limit} or less",
+        )
+    ]
+
+
 def version_problems(installed: dict[str, str] | None = None) -> list[ConfigProblem]:
     from openrlhf_lora_sync.pins import UnsupportedVersionError, check_versions
 
@@ -272,5 +298,5 @@ def launch_problems(run, installed: dict[str, str] | None = None) -> list[Config
     problems = version_problems(installed)
     model = run.args.actor.model_name_or_path
     if isinstance(model, str) and not problems:
-        problems += target_problems(run, model)
+        problems += [*length_problems(run, model), *target_problems(run, model)]
     return problems

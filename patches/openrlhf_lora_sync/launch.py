@@ -22,6 +22,7 @@ import runpy
 import signal
 import sys
 import uuid
+from pathlib import Path
 
 SETUP_HOOK = "openrlhf_lora_sync.openrlhf_patch.apply"
 FORWARDED_PREFIXES = ("LORA_SYNC_", "REWARD_", "WANDB_", "HF_", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_")
@@ -39,7 +40,48 @@ def ray_runtime_env() -> dict:
     return {"worker_process_setup_hook": SETUP_HOOK, "env_vars": env_vars}
 
 
+# Flags holding local paths that Ray actors open. Made absolute in the driver, so every actor (whatever its
+# working directory, on whichever node) opens what the driver means; hub ids and URLs stay as given.
+PATH_FLAGS = (
+    "--actor.model_name_or_path",
+    "--data.prompt_dataset",
+    "--eval.dataset",
+    "--reward.remote_url",
+    "--ckpt.output_dir",
+    "--ckpt.path",
+)
+OUTPUT_FLAGS = ("--ckpt.output_dir", "--ckpt.path")  # made absolute even before they exist
+
+
+def absolute_paths(argv: list[str], cwd: Path) -> list[str]:
+    """argv with each PATH_FLAGS value that names a local file or directory (or an output directory)
+    relative to `cwd` replaced by its absolute path."""
+    out, flag = [], None
+    for token in argv:
+        if flag and not token.startswith("--"):
+            path = cwd / token
+            if not Path(token).is_absolute() and (flag in OUTPUT_FLAGS or path.exists()):
+                token = str(path.resolve())
+        else:
+            flag = token if token in PATH_FLAGS else None
+        out.append(token)
+    return out
+
+
+def declared_resources(args) -> dict[str, int]:
+    """The Ray resources to declare for a run on a machine without CUDA: OpenRLHF's placement groups and
+    actors ask for GPUs (and a CPU per bundle), which Ray only schedules when the node has them. Enough
+    for every group the run starts (policy, engines, reference when not colocated), plus the PPOTrainer
+    actor's CPU; declared resources are counters, so too many costs nothing."""
+    gpus = args.actor.num_nodes * args.actor.num_gpus_per_node
+    if not args.train.colocate_all:
+        gpus += (args.vllm.num_engines or 0) * args.vllm.tensor_parallel_size
+        gpus += args.ref.num_nodes * args.ref.num_gpus_per_node
+    return {"num_gpus": gpus, "num_cpus": gpus + 2}
+
+
 def main(argv: list[str] | None = None) -> int:
+    from openrlhf_lora_sync import cpu_standins, settings
     from openrlhf_lora_sync.config_checks import launch_problems
     from openrlhf_lora_sync.openrlhf_patch import apply
     from openrlhf_lora_sync.recipe import RecipeError, run_from_argv
@@ -55,8 +97,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"openrlhf_lora_sync: {line}", file=sys.stderr)
     if any(problem.fatal for problem in problems):
         return 2
+    # OpenRLHF's wandb logger writes under the working directory of its actor; keep the run's files with
+    # the run's outputs (metrics.jsonl, the adapter) unless WANDB_DIR says otherwise.
+    output_dir = Path(run.args.ckpt.output_dir).resolve()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("WANDB_DIR", str(output_dir))
     # Adapter-mode engines size their LoRA layers for the trainer's rank; they read it from here.
-    os.environ["LORA_SYNC_LORA_RANK"] = str(run.args.ds.lora.rank)
+    os.environ[settings.get("LORA_SYNC_LORA_RANK").env] = str(run.args.ds.lora.rank)
+    # Every worker enters the driver's directory (openrlhf_patch.apply): relative paths inside the data
+    # (image paths) open in the engine actors as here, whichever directory Ray started them in.
+    os.environ[settings.get("LORA_SYNC_WORKDIR").env] = os.getcwd()
     apply()
 
     import ray
@@ -66,11 +116,29 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault(RUN_ID_ENV, uuid.uuid4().hex[:12])  # forwarded to every actor (LORA_SYNC_ prefix)
     # SIGTERM's default action skips `finally`; as SystemExit it unwinds through the cleanup below.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    runtime_env = ray_runtime_env()
+    resources = {}
+    if cpu_standins.needed():
+        print(f"openrlhf_lora_sync: {cpu_standins.summary()}", file=sys.stderr)
+        os.environ.update(cpu_standins.DS_ACCELERATOR_ENV)
+        runtime_env["env_vars"].update(cpu_standins.DS_ACCELERATOR_ENV)
+        if not os.environ.get("RAY_ADDRESS"):
+            resources = declared_resources(run.args)
     if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), runtime_env=ray_runtime_env())
-    sys.argv = ["openrlhf.cli.train_ppo_ray", *argv]
+        # "local": a new cluster of this run's own, never one some other job left running on this host.
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", runtime_env=runtime_env, **resources)
+    sys.argv = ["openrlhf.cli.train_ppo_ray", *absolute_paths(argv, Path.cwd())]
     try:
         runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
+    except Exception as error:
+        from openrlhf_lora_sync.run_errors import dead_actor_line
+
+        line = dead_actor_line(error)  # an actor of the run died: one line naming it (run_errors.py)
+        if line is None:
+            raise
+        ray.shutdown()  # the run's other actors end now, so their last lines come before this one
+        print(f"openrlhf_lora_sync: {line}", file=sys.stderr)
+        return 1
     finally:
         remove_run_files(os.environ[RUN_ID_ENV])
     return 0

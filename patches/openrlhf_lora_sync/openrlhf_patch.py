@@ -30,16 +30,20 @@ worker); each one's recipe key, variable, type, choices, default and effect is i
 The probe (sync.probe_every, sync.probe_threshold) logs sync/probe_max_abs_diff, sync/probe_mean_abs_diff
 and sync/probe_seconds and stops the run with ProbeFailed above the threshold.
 
-Does not cover: OpenRLHF/vLLM releases other than the pinned ones, which `apply()` refuses. Engines on
-other nodes need the broadcast transport (shared memory and CUDA IPC reach only this node), which
-carries adapter mode's adapter too.
+Transport (sync.transport=auto, settings.resolved_transport): broadcast when any engine actor's Ray
+node id differs from trainer rank 0's (shared memory and CUDA IPC reach only this node; asked once, at
+the first sync, and cached on the trainer as `_lora_sync_nodes`), else shm when colocated or when the
+trainer has no CUDA, else broadcast (NCCL between separate GPUs). The broadcast carries adapter mode's
+adapter too. The per-sync summary line names the transport (tests/test_two_node.py: two Ray nodes).
+
+Does not cover: OpenRLHF/vLLM releases other than the pinned ones, which `apply()` refuses.
 """
 
 from __future__ import annotations
 
 import logging
 
-from openrlhf_lora_sync import settings
+from openrlhf_lora_sync import cpu_standins, settings
 from openrlhf_lora_sync.pins import check_versions
 
 logger = logging.getLogger("openrlhf_lora_sync")
@@ -52,11 +56,19 @@ def sleep_level() -> int:
     return settings.read("sync.vllm_sleep_level")
 
 
-def sync_transport(colocated: bool) -> str:
-    """LORA_SYNC_TRANSPORT, with auto resolved (settings.resolved_transport). cuda_ipc is opt-in until
-    measured on GPUs."""
-    name = settings.resolved_transport(settings.read("sync.transport"), colocated)
-    if name == "cuda_ipc" and not __import__("torch").cuda.is_available():
+def sync_transport(colocated: bool, trainer_node: str | None = None, engine_nodes: tuple = ()) -> str:
+    """LORA_SYNC_TRANSPORT, with auto resolved by settings.resolved_transport's rule: broadcast to engines
+    on another Ray node than trainer rank 0 (`trainer_node`, `engine_nodes`: Ray node ids), else shm when
+    colocated or the trainer has no CUDA, else broadcast. cuda_ipc is opt-in until measured on GPUs."""
+    cuda = __import__("torch").cuda.is_available()
+    name = settings.resolved_transport(
+        settings.read("sync.transport"),
+        colocated,
+        trainer_node=trainer_node,
+        engine_nodes=engine_nodes,
+        trainer_cuda=cuda,
+    )
+    if name == "cuda_ipc" and not cuda:
         raise ValueError("LORA_SYNC_TRANSPORT=cuda_ipc needs CUDA on the trainer; use shm")
     return name
 
@@ -105,6 +117,37 @@ class RayEngines:
 
         ray.get([a.reset_all_caches.remote() for a in self.actors])
 
+    def node_ids(self) -> tuple[str, ...]:
+        """The Ray node id of each engine actor (the patched actor's node_id)."""
+        import ray
+
+        return tuple(ray.get([a.node_id.remote() for a in self.actors]))
+
+
+def _sync_nodes(engines) -> tuple[str | None, tuple[str, ...]]:
+    """(this process's Ray node id, the engines' node ids), what the transport rule compares; (None, ())
+    without Ray or for engines that are not Ray actors (sync.LocalEngines: in this process)."""
+    import ray
+
+    if not ray.is_initialized() or not hasattr(engines, "node_ids"):
+        return None, ()
+    return ray.get_runtime_context().get_node_id(), engines.node_ids()
+
+
+def _asked_once(trainer, attribute: str, ask, rank: int, distributed: bool):
+    """trainer.<attribute>, set at the first sync from rank 0's ask() and broadcast to the other ranks:
+    every rank must plan the same units (the gathers are collective) and pick the same transport."""
+    value = getattr(trainer, attribute, None)
+    if value is None:
+        import torch
+
+        shared = [ask() if rank == 0 else None]
+        if distributed:
+            torch.distributed.broadcast_object_list(shared, src=0)
+        value = shared[0]
+        setattr(trainer, attribute, value)
+    return value
+
 
 def lora_broadcast_to_vllm(self) -> None:
     """Replacement for ActorPPOTrainer.broadcast_to_vllm (runs on every trainer rank)."""
@@ -119,12 +162,25 @@ def lora_broadcast_to_vllm(self) -> None:
     state = getattr(self, "_lora_sync_state", None)
     if state is None:
         state = self._lora_sync_state = AdapterSyncState() if adapter_mode else SyncState()
+    if settings.read("sync.stale_engine_control") and getattr(self, "_lora_sync_count", 0) > 0:
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            logger.info(
+                "weight sync: skipped (sync.stale_engine_control: the engines keep the first sync's policy)"
+            )
+        self._lora_sync_last_stats = None
+        return
     if sleep_level() == 2:
         state.weights_lost("vLLM sleep level 2 discarded the engine's weights")
     distributed = torch.distributed.is_initialized()
     rank = torch.distributed.get_rank() if distributed else 0
     engines = RayEngines(self.vllm_engines)
-    transport = sync_transport(colocated=self.strategy.args.train.colocate_all)
+    # Rank 0's Ray node id and the engines': engines on another node get the broadcast transport.
+    trainer_node, engine_nodes = _asked_once(
+        self, "_lora_sync_nodes", lambda: _sync_nodes(engines), rank, distributed
+    )
+    transport_name = transport = sync_transport(
+        self.strategy.args.train.colocate_all, trainer_node, engine_nodes
+    )
     if transport == "broadcast":
         from openrlhf_lora_sync.transport import BroadcastTransport
 
@@ -133,13 +189,9 @@ def lora_broadcast_to_vllm(self) -> None:
                 engines, self.strategy.args.vllm.tensor_parallel_size
             )
         transport = self._lora_sync_broadcast
-    packed = getattr(self, "_lora_sync_packed", None)
-    if packed is None:
-        # Every rank must plan the same units (the gathers are collective): rank 0 asks, all use its answer.
-        shared = [engines.rpc("packed_modules_mapping")[0] if rank == 0 else None]
-        if distributed:
-            torch.distributed.broadcast_object_list(shared, src=0)
-        packed = self._lora_sync_packed = shared[0]
+    packed = _asked_once(
+        self, "_lora_sync_packed", lambda: engines.rpc("packed_modules_mapping")[0], rank, distributed
+    )
     force_full = settings.read("sync.force_full")
     if adapter_mode:
         if force_full:
@@ -159,6 +211,7 @@ def lora_broadcast_to_vllm(self) -> None:
         transport=transport,
         **mode_kwargs,
     )
+    stats.transport = transport_name
     self._lora_sync_count = getattr(self, "_lora_sync_count", 0) + 1
     every = settings.read("sync.probe_every")
     if every > 0 and self._lora_sync_count % every == 0:
@@ -245,6 +298,116 @@ def _with_sync_metrics(upstream_ppo_train):
     return ppo_train
 
 
+def never_sampled_token_ids(model: str, mm_pad_token_ids) -> list[int]:
+    """A VLM's vision placeholder ids (image/video pads, vision start/end), which rollouts must not sample.
+
+    The policy's forward counts the placeholders in prompt + response and expects one image feature per
+    image pad: a response with a sampled image pad fails there ("Image features and image tokens do not
+    match, tokens: 65, features: 64"). A trained model gives these ids next to no probability; a random one
+    (the CPU runs' tiny model) samples them often. Empty for text-only runs (no mm_pad_token_ids)."""
+    if not mm_pad_token_ids:
+        return []
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model, trust_remote_code=True)
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    found = {getattr(config, name, None) for name in names} | set(mm_pad_token_ids)
+    return sorted(token_id for token_id in found if token_id is not None)
+
+
+def rollout_sampling(sampling_params, never_sampled: list[int]) -> None:
+    """What the patched engine actor changes in OpenRLHF's rollout SamplingParams, in place: the vision
+    placeholders get vLLM's lowest logit bias (never_sampled_token_ids), and the engine returns the sampled
+    tokens' log-probs, which the trainer compares with its own old-policy log-probs (rollout_parity).
+    vLLM's default log-probs are the raw model's (before temperature and this bias) and OpenRLHF's loss
+    ignores them unless its importance-sampling correction is on, so GRPO computes what it did."""
+    if never_sampled:
+        sampling_params.logit_bias = {
+            **(sampling_params.logit_bias or {}),
+            **dict.fromkeys(never_sampled, -100.0),
+        }
+    if sampling_params.logprobs is None:
+        sampling_params.logprobs = 1
+
+
+# In --ckpt.output_dir, one JSON object per logged step. In a folder of its own: the final adapter save
+# replaces the output folder's files atomically (checkpoint.py) and carries over only its subfolders.
+METRICS_FILE = "metrics/steps.jsonl"
+
+
+def _recording_metrics(upstream_save_logs):
+    """BasePPOTrainer.save_logs_and_checkpoints, also appending each logged step's numbers (OpenRLHF's
+    train metrics, sync/*, parity/*) to <ckpt.output_dir>/METRICS_FILE, the run's local record: the CPU
+    run's summary table, summary.json and reward plot are made from it, with or without wandb."""
+    import json
+    import os
+
+    def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
+        if logs_dict and global_step % self.args.logger.logging_steps == 0:
+            record = {"global_step": global_step}
+            record.update((k, v) for k, v in logs_dict.items() if isinstance(v, (int, float)))
+            path = os.path.join(self.args.ckpt.output_dir, METRICS_FILE)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "a") as metrics:
+                metrics.write(json.dumps(record) + "\n")
+        return upstream_save_logs(self, global_step, logs_dict, client_states)
+
+    return save_logs_and_checkpoints
+
+
+def rollout_parity(experiences) -> dict[str, float]:
+    """How far the engine's log-probs of the tokens it sampled (OpenRLHF's rollout_log_probs) are from
+    the trainer's old-policy log-probs of the same tokens (action_log_probs), over every action token of
+    a rollout step: parity/gen_kl (the k3 estimate of KL(rollout || trainer), >= 0, the quantity NeMo-RL
+    gates LoRA runs on, < 1e-3), parity/prob_ratio_mean (trainer / rollout token probability, ~1) and
+    parity/max_abs_logprob_diff. Empty when the rollouts carry no log-probs."""
+    import torch
+
+    diffs = []
+    for experience in experiences:
+        rollout, trainer = experience.rollout_log_probs, experience.action_log_probs
+        if rollout is None or trainer is None:
+            return {}
+        mask = experience.action_mask.bool()
+        width = trainer.shape[-1]  # the three are aligned at the sequence's end
+        diffs.append((trainer.float() - rollout[..., -width:].float())[mask[..., -width:]])
+    if not diffs:
+        return {}
+    log_ratio = torch.cat(diffs)  # log(pi_trainer / pi_rollout) per sampled token
+    return {
+        "parity/gen_kl": (log_ratio.exp() - 1 - log_ratio).mean().item(),
+        "parity/prob_ratio_mean": log_ratio.exp().mean().item(),
+        "parity/max_abs_logprob_diff": log_ratio.abs().max().item(),
+    }
+
+
+def _with_rollout_parity(upstream_rollout_stats):
+    """BasePPOTrainer._compute_rollout_stats plus rollout_parity, logged with OpenRLHF's rollout/*.
+    vLLM's log-probs here are the raw model's (before temperature), so they are compared only when the
+    rollout temperature is 1 or OpenRLHF asked vLLM for processed log-probs (its IS correction)."""
+
+    def _compute_rollout_stats(self, experiences):
+        stats = upstream_rollout_stats(self, experiences)
+        algo = self.args.algo.advantage
+        if self.args.rollout.temperature == 1.0 or algo.is_correction_level != "off":
+            stats.update(rollout_parity(experiences))
+        return stats
+
+    return _compute_rollout_stats
+
+
+def _closing_wandb(upstream_close):
+    """WandbLogger.close, then wandb.teardown(): finish() can return before wandb's service process has
+    written the run, and the PPOTrainer actor is ended by Ray right after fit, which otherwise logs wandb's
+    "Connection lost" traceback from its exit handler (seen on CPU runs)."""
+
+    def close(self):
+        upstream_close(self)
+        self.handle.teardown()
+
+    return close
+
+
 def _lora_engine_actor(upstream_actor):
     """A Ray actor class: OpenRLHF's engine actor plus what the sync needs. Methods must exist when
     `ray.remote` builds the class (actor handles only expose those), hence a subclass, not attributes
@@ -258,6 +421,9 @@ def _lora_engine_actor(upstream_actor):
     class LoraSyncRolloutRayActor(upstream):
         async def __init__(self, *args, **kwargs):
             kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLS
+            kwargs = cpu_standins.engine_kwargs(kwargs)
+            self._sleep_mode = bool(kwargs.get("enable_sleep_mode"))
+            self._never_sampled = never_sampled_token_ids(kwargs["model"], kwargs.get("mm_pad_token_ids"))
             adapter_mode = sync_mode() == "adapter"
             if adapter_mode:
                 from openrlhf_lora_sync.adapter_mode import engine_lora_kwargs
@@ -276,7 +442,20 @@ def _lora_engine_actor(upstream_actor):
                 self.llm.generate = generate_with_adapter
 
         async def sleep(self, level=None):
-            await super().sleep(level=sleep_level() if level is None else level)
+            if self._sleep_mode:  # off on CPU (cpu_standins.ENGINE_SWITCHES): nothing to free
+                await super().sleep(level=sleep_level() if level is None else level)
+
+        async def wake_up(self, tags=None):
+            if self._sleep_mode:
+                await super().wake_up(tags=tags)
+
+        async def generate_responses(self, prompt, label, sampling_params, *args, **kwargs):
+            # sampling_params is this actor's own copy (Ray deserialized it), shared by the executors.
+            rollout_sampling(sampling_params, self._never_sampled)
+            return await super().generate_responses(prompt, label, sampling_params, *args, **kwargs)
+
+        def node_id(self) -> str:
+            return ray.get_runtime_context().get_node_id()
 
         async def lora_sync_rpc(self, method: str, *args):
             results = await self.llm.collective_rpc(method, args=args)
@@ -295,26 +474,50 @@ def _lora_engine_actor(upstream_actor):
     return ray.remote(LoraSyncRolloutRayActor)
 
 
+def _enter_run_workdir() -> None:
+    """Work in the launcher's directory (LORA_SYNC_WORKDIR), where this host has it: Ray starts workers in
+    the directory its node was started from, and OpenRLHF opens the data's relative image paths in the
+    engine actors. Nothing without the variable (tests, processes not started by the launcher)."""
+    import os
+
+    workdir = settings.read("LORA_SYNC_WORKDIR")
+    if workdir and os.path.isdir(workdir) and os.path.realpath(os.getcwd()) != os.path.realpath(workdir):
+        os.chdir(workdir)
+
+
 def apply() -> None:
     """Patch OpenRLHF in this process (idempotent). Raises UnsupportedVersionError on other releases."""
+    from openrlhf.trainer import ppo_trainer
     from openrlhf.trainer.ray import ppo_actor, vllm_engine
+    from openrlhf.utils import logging_utils
     from openrlhf.utils.deepspeed import DeepspeedStrategy
     from openrlhf.utils.logging_utils import init_logger
 
     from openrlhf_lora_sync import offload, reference_policy
-    from openrlhf_lora_sync.checkpoint import atomic_save_model
+    from openrlhf_lora_sync.checkpoint import atomic_save_model, logging_resume
 
     trainer_cls = ppo_actor.ActorPPOTrainer
     if getattr(trainer_cls, _APPLIED_MARK, False):
         return
     check_versions()
+    _enter_run_workdir()
+    cpu_standins.install()  # no CUDA only: OpenRLHF's unconditional CUDA calls answered (cpu_standins.py)
     # OpenRLHF's own handler (INFO, stdout, its format): the one summary line per sync is in the run's log
     # at INFO, next to OpenRLHF's lines, and warnings stay for what needs action.
     init_logger(logger.name)
     trainer_cls.broadcast_to_vllm = lora_broadcast_to_vllm
     trainer_cls.__init__ = _checking_adapters_at_start(trainer_cls.__init__)
     trainer_cls.ppo_train = _with_sync_metrics(trainer_cls.ppo_train)
+    base_trainer = ppo_trainer.BasePPOTrainer
+    base_trainer.save_logs_and_checkpoints = _recording_metrics(base_trainer.save_logs_and_checkpoints)
+    base_trainer._compute_rollout_stats = _with_rollout_parity(base_trainer._compute_rollout_stats)
+    # ray.remote copied the base class's methods onto the actor class it built; give it the patched ones.
+    actor_class = ppo_trainer.PPOTrainer.__ray_metadata__.modified_class
+    for name in ("save_logs_and_checkpoints", "_compute_rollout_stats"):
+        setattr(actor_class, name, getattr(base_trainer, name))
+    logging_utils.WandbLogger.close = _closing_wandb(logging_utils.WandbLogger.close)
     DeepspeedStrategy.save_model = atomic_save_model(DeepspeedStrategy.save_model)
+    DeepspeedStrategy.load_ckpt = logging_resume(DeepspeedStrategy.load_ckpt)  # resume line: checkpoint.py
     # create_vllm_engines looks RolloutRayActor up in its module when it runs.
     vllm_engine.RolloutRayActor = _lora_engine_actor(vllm_engine.RolloutRayActor)
     reference_policy.install()  # KL reference = the policy with its adapters disabled (reference_policy.py)

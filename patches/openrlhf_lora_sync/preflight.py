@@ -630,12 +630,16 @@ def check_host_memory(
 
 def check_lora_config(run: Run | None, model: str | None) -> CheckResult:
     """ds.lora.target_modules matched by peft against a weightless copy of the model (its local config,
-    else memory_budget's reference config of that hub id); the run's own checks (DoRA, no LoRA, the rank
-    against the sync mode) already passed when the recipe loaded (recipe.load_run)."""
+    else memory_budget's reference config of that hub id), and data.max_len against the model's length;
+    the run's own checks (DoRA, no LoRA, the rank against the sync mode) already passed when the recipe
+    loaded (recipe.load_run)."""
     if run is None:
         return CheckResult("lora_config", NA, "needs a recipe (or --set)")
     reference = memory_budget.REFERENCE_CONFIGS.get(str(model))
-    problems = config_checks.target_problems(run, model, reference) if model else []
+    problems = []
+    if model:
+        problems = config_checks.length_problems(run, model)
+        problems += config_checks.target_problems(run, model, reference)
     fatal = [p for p in problems if p.fatal]
     shown = fatal or problems
     if shown:

@@ -10,7 +10,8 @@ recipe.py launches. Values are checked the same way wherever they come from (`pa
 lower bound, and an empty value is refused rather than dropped.
 
 Covers: the settings OpenRLHF does not have (sync, trainer offload, KL reference, reward weights, wandb
-mode) and the two the launcher sets for the workers (LORA_SYNC_LORA_RANK, LORA_SYNC_RUN_ID).
+mode) and the three the launcher sets for the workers (LORA_SYNC_LORA_RANK, LORA_SYNC_RUN_ID,
+LORA_SYNC_WORKDIR).
 Does not cover: OpenRLHF's own flags, which its parser checks (recipe.py runs it), nor checks that need
 several settings or the model (config_checks.py).
 """
@@ -18,7 +19,7 @@ several settings or the model (config_checks.py).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 TRUE_WORDS = ("1", "true")
@@ -115,7 +116,9 @@ SETTINGS: tuple[Setting, ...] = (
         "LORA_SYNC_TRANSPORT",
         str,
         "auto",
-        "auto: /dev/shm for colocated engines, broadcast (NCCL) otherwise; cuda_ipc is opt-in (transport.py)",
+        "auto: broadcast (NCCL; gloo on CPU) to engines on another Ray node than trainer rank 0, else "
+        "/dev/shm when colocated or the trainer has no CUDA, else broadcast; cuda_ipc is opt-in "
+        "(resolved_transport, transport.py)",
         choices=TRANSPORTS,
     ),
     Setting(
@@ -128,6 +131,15 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "sync.force_full", "LORA_SYNC_FORCE_FULL", bool, False, "every sync sends every tensor (plan.py)"
+    ),
+    Setting(
+        "sync.stale_engine_control",
+        "LORA_SYNC_STALE_ENGINE_CONTROL",
+        bool,
+        False,
+        "a control for experiments: after the first full sync the engines are never synced again (nor "
+        "probed), so rollouts keep coming from that policy while the trainer goes on; its reward should not "
+        "rise (the CPU learning run's control)",
     ),
     Setting(
         "sync.vllm_sleep_level",
@@ -229,6 +241,15 @@ SETTINGS: tuple[Setting, ...] = (
         "norun",
         "names this run's /dev/shm bucket files; the launcher sets it and removes them at the end",
     ),
+    Setting(
+        None,
+        "LORA_SYNC_WORKDIR",
+        str,
+        None,
+        "the launcher's working directory, which every Ray worker of the run enters (openrlhf_patch.apply) "
+        "where it exists, so relative paths inside the data (image paths) open in the actors as in the "
+        "driver; the launcher sets it",
+    ),
 )
 
 BY_KEY = {s.key: s for s in SETTINGS if s.key}
@@ -261,9 +282,26 @@ def resolve(name: str, flags: Mapping, environ: Mapping[str, str] | None = None)
     return read(name, environ)
 
 
-def resolved_transport(transport: str, colocated: bool) -> str:
-    """sync.transport with `auto` resolved as the patch resolves it: /dev/shm files for engines colocated
-    with the trainer, a broadcast group otherwise (the engines may sit on other nodes)."""
+def resolved_transport(
+    transport: str,
+    colocated: bool,
+    *,
+    trainer_node: str | None = None,
+    engine_nodes: Iterable[str] = (),
+    trainer_cuda: bool = True,
+) -> str:
+    """sync.transport with `auto` resolved; the one place the rule is written (the patch's sync_transport
+    and the memory estimator call it):
+    - "broadcast" when any engine actor's Ray node id (engine_nodes) differs from trainer rank 0's
+      (trainer_node): /dev/shm files reach only the node they are written on. Node ids, not hostnames:
+      two Ray nodes on one host (tests/test_two_node.py) are two nodes;
+    - else "shm" when the engines are colocated with the trainer, or the trainer has no CUDA (one CPU
+      host: a file in /dev/shm costs less than a gloo broadcast);
+    - else "broadcast" (engines on their own GPUs of this node: NCCL).
+    Without node ids (trainer_node None: callers without Ray) no engine counts as elsewhere, and
+    trainer_cuda defaults to True: shm when colocated, else broadcast, as before node ids were asked."""
     if transport != "auto":
         return transport
-    return "shm" if colocated else "broadcast"
+    if trainer_node is not None and any(node != trainer_node for node in engine_nodes):
+        return "broadcast"
+    return "shm" if colocated or not trainer_cuda else "broadcast"

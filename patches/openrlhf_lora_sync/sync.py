@@ -89,6 +89,8 @@ class SyncStats:
     # transport (engine RPCs minus the engine's own reload time), reload (the engine loading tensors).
     # With pipelined /dev/shm buckets the engines' part overlaps the trainer's: stages sum to more.
     stages: dict[str, float] = field(default_factory=dict)
+    # The transport's name (shm, broadcast, cuda_ipc), set by whoever chose it (openrlhf_patch); None: unset.
+    transport: str | None = None
 
     def as_metrics(self, prefix: str = "sync/") -> dict[str, float]:
         metrics = {
@@ -106,9 +108,10 @@ class SyncStats:
         return metrics
 
     def __str__(self) -> str:
+        over = f" over {self.transport}" if self.transport else ""
         return (
             f"weight sync: {self.mode} ({self.reason}), {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB "
-            f"in {self.buckets} buckets, {self.seconds:.2f} s"
+            f"in {self.buckets} buckets{over}, {self.seconds:.2f} s"
         )
 
 
