@@ -166,6 +166,13 @@ CASES = [
         ("2 (OpenRLHF's default)", "set ds.zero_stage: 3"),
     ),
     Case(
+        "the stale-engine control with vLLM sleep level 2 (the engine's weights discarded at each sleep)",
+        via_render,
+        {"sync.stale_engine_control": True, "vllm.enable_sleep": True, "sync.vllm_sleep_level": 2},
+        {"sync.stale_engine_control": True, "vllm.enable_sleep": True, "sync.vllm_sleep_level": 1},
+        ("sync.stale_engine_control", "sleep level 2", "sync.vllm_sleep_level: 1"),
+    ),
+    Case(
         "data.max_len above the model's max_position_embeddings (the tiny model's 4096)",
         via_preflight_lora,
         {"data.max_len": 8192},

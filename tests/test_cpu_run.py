@@ -41,7 +41,9 @@ def no_gpu_env(tmp_path: Path) -> dict[str, str]:
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
     (bin_dir / "nvidia-smi").chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("WANDB_DIR", None)  # the launcher's default: wandb's files in the run folder
+    return env
 
 
 def run_script(tmp_path: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:

@@ -26,6 +26,8 @@ Covers
 - Trainer base offload (trainer.offload_params / LORA_SYNC_OFFLOAD_PARAMS, offload.py) with a ZeRO stage
   other than 3 (parameter offload is ZeRO-3's; OpenRLHF's default is 2) or with --ds.load_in_4bit
   (bitsandbytes' 4-bit weights are not ZeRO-3 parameters DeepSpeed can offload).
+- sync.stale_engine_control (a control for experiments) with vLLM sleep level 2, which discards the
+  weights the control keeps.
 - data.max_len (train_ppo_ray.py:53 passes it to vLLM as max_model_len) above the model's
   max_position_embeddings: vLLM refuses that inside its engine actor, after the trainer has loaded.
 - OpenRLHF/vLLM releases other than the pinned ones (pins.check_versions).
@@ -141,10 +143,26 @@ def offload_problems(run) -> list[ConfigProblem]:
     return problems
 
 
+def control_problems(run) -> list[ConfigProblem]:
+    """sync.stale_engine_control keeps the engine's first-sync weights; vLLM sleep level 2 discards them at
+    every sleep, so without a sync after each wake-up the control would sample from lost weights."""
+    key = "sync.stale_engine_control"
+    if not (run.setting(key) and run.args.vllm.enable_sleep and run.setting("sync.vllm_sleep_level") == 2):
+        return []
+    return [
+        ConfigProblem(
+            key,
+            "the control keeps the engine's weights of its first sync, and vLLM sleep level 2 discards the "
+            "engine's weights at every sleep (only a sync restores them)",
+            "set sync.vllm_sleep_level: 1 (or vllm.enable_sleep: false) for the control run",
+        )
+    ]
+
+
 def run_problems(run) -> list[ConfigProblem]:
     """The checks that need only the parsed run (recipe.Run: OpenRLHF's args and this repo's settings) and
     import nothing heavy; recipe.load_run and recipe.run_from_argv run them on every run."""
-    return [*rank_problems(run), *offload_problems(run)]
+    return [*rank_problems(run), *offload_problems(run), *control_problems(run)]
 
 
 # ------------------------------------------------------------------------------- against the model

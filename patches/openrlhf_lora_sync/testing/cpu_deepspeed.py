@@ -4,9 +4,8 @@ Covers what a CPU process (DS_ACCELERATOR=cpu, gloo, the usual RANK/WORLD_SIZE/M
 to build the policy the way PolicyModelActor.init_model_from_pretrained does (`Actor(...,
 ds_config=strategy.get_ds_train_config())`, then `strategy.prepare((actor, cfg))`) and to train it with
 OpenRLHF's own forward, backward and optimizer step:
-- `init_cpu_process()`: CPU answers for the CUDA calls OpenRLHF makes (`torch.cuda.synchronize`), its
-  log-probs on their torch path (the CPU stack's flash-attn has Python files but no kernels, so the
-  Triton cross-entropy import is made to fail, as scripts/smoke_cpu.py does), the gloo process group;
+- `init_cpu_process()`: the CPU stand-ins of the real trainer's processes (cpu_standins.py: CUDA calls
+  OpenRLHF makes answered, its log-probs on their torch path), the gloo process group;
 - `use_torch_adam()`: DeepSpeed builds torch's AdamW from OpenRLHF's optimizer config instead of its own
   CPU Adam / fused Adam, C++ extensions compiled on first use (minutes on 2 cores); both runs of a
   comparison then use the same optimizer code;
@@ -18,14 +17,12 @@ Does not cover: the Ray actors around them, or GPUs (this is not how a GPU run i
 from __future__ import annotations
 
 import os
-import sys
 from types import SimpleNamespace
 
 import torch
 
+from openrlhf_lora_sync import cpu_standins
 from openrlhf_lora_sync.transport import free_port
-
-TRITON_CROSS_ENTROPY = "flash_attn.ops.triton.cross_entropy"
 
 
 def process_env(rank: int = 0, world_size: int = 1, port: int | None = None, **extra: str) -> dict[str, str]:
@@ -50,8 +47,7 @@ def process_env(rank: int = 0, world_size: int = 1, port: int | None = None, **e
 def init_cpu_process() -> None:
     import deepspeed
 
-    torch.cuda.synchronize = lambda *args, **kwargs: None  # CPU torch: no CUDA stream to wait for
-    sys.modules[TRITON_CROSS_ENTROPY] = None
+    cpu_standins.install()  # the CPU answers the real trainer's processes get (cpu_standins.py)
     deepspeed.init_distributed(dist_backend="gloo")
 
 

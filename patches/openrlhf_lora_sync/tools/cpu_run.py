@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -167,8 +168,10 @@ def table(history: list[dict], control: list[dict]) -> str:
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows)
 
 
-def plot_rewards(curves: dict[str, list[float]], path: Path, title: str, ylabel: str) -> Path | None:
-    """A reward-per-step plot of each curve; None without matplotlib."""
+def reward_plot(curves: dict[str, list[float]], summary: dict, path: Path, reward_name: str, what: str):
+    """reward.png: each curve's mean reward per step, titled with `what` and the summary's first/last
+    means (and the control's); None without matplotlib. The in-process driver (smoke_cpu.py) draws its
+    plot here too."""
     try:
         import matplotlib
     except ImportError:
@@ -176,33 +179,7 @@ def plot_rewards(curves: dict[str, list[float]], path: Path, title: str, ylabel:
     matplotlib.use("Agg")  # files only: no display on a CI machine
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    for label, rewards in curves.items():
-        if rewards:
-            axes.plot(range(1, len(rewards) + 1), rewards, marker="o", markersize=3, label=label)
-    axes.set_xlabel("GRPO step")
-    axes.set_ylabel(ylabel)
-    axes.set_title(title, fontsize=9)
-    axes.xaxis.get_major_locator().set_params(integer=True)
-    axes.set_ylim(bottom=0)
-    axes.grid(alpha=0.3)
-    if any(curves.values()):
-        axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return path
-
-
-def reward_plot(history: list[dict], control: list[dict], summary: dict, path: Path, reward_name: str):
-    curves = {
-        "synced: the engine gets every update": [row[REWARD_KEY] for row in history if REWARD_KEY in row]
-    }
-    if control:
-        curves["control: engine not synced after its first sync"] = [
-            row[REWARD_KEY] for row in control if REWARD_KEY in row
-        ]
-    title = "GRPO + LoRA on CPU: OpenRLHF train_ppo_ray, tiny Qwen2.5-VL, vLLM-CPU rollouts"
+    title = f"GRPO + LoRA on CPU: {what}"
     if summary["reward_first"] is not None:
         title += f"\nmean of the first/last {REWARD_WINDOW} steps: "
         title += f"{summary['reward_first']:.2f} -> {summary['reward_last']:.2f}"
@@ -210,7 +187,22 @@ def reward_plot(history: list[dict], control: list[dict], summary: dict, path: P
             title += (
                 f", control {summary['control_reward_first']:.2f} -> {summary['control_reward_last']:.2f}"
             )
-    return plot_rewards(curves, path, title, f"mean reward ({reward_name.replace('_', ' ')})")
+    figure, axes = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    for label, rewards in curves.items():
+        if rewards:
+            axes.plot(range(1, len(rewards) + 1), rewards, marker="o", markersize=3, label=label)
+    axes.set_xlabel("GRPO step")
+    axes.set_ylabel(f"mean reward ({reward_name.replace('_', ' ')})")
+    axes.set_title(title, fontsize=9)
+    axes.xaxis.get_major_locator().set_params(integer=True)
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+    if any(curves.values()):  # a run that stopped before its first step has no curve to label
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path
 
 
 def main(argv=None) -> int:
@@ -244,7 +236,15 @@ def main(argv=None) -> int:
     history, control = read_metrics(out), read_metrics(control_dir) if options.control else []
     summary = {"ok": status == 0, **summarize(history, control)}
     reward_file = Path((run.args.reward.remote_url or ["reward"])[0]).stem
-    plot = reward_plot(history, control, summary, out / "reward.png", reward_file)
+    curves = {
+        "synced: the engine gets every update": [row[REWARD_KEY] for row in history if REWARD_KEY in row]
+    }
+    if control:
+        curves["control: engine not synced after its first sync"] = [
+            row[REWARD_KEY] for row in control if REWARD_KEY in row
+        ]
+    what = "OpenRLHF train_ppo_ray, tiny Qwen2.5-VL, vLLM-CPU rollouts"
+    plot = reward_plot(curves, summary, out / "reward.png", reward_file, what)
     summary.update(
         recipe=str(run.path),
         model=str(model),
@@ -270,7 +270,8 @@ def main(argv=None) -> int:
         )
     print(f"model:                {model}")
     print(f"LoRA adapter (peft):  {out}  (checkpoints: {REPO_ROOT / run.args.ckpt.path})")
-    print(f"wandb (offline run):  {out / 'wandb'}  (upload with: wandb sync DIR)")
+    wandb_dir = Path(os.environ.get("WANDB_DIR") or out) / "wandb"  # the launcher's default: the run folder
+    print(f"wandb (offline run):  {wandb_dir}  (upload with: wandb sync DIR)")
     print(f"metrics:              {out / METRICS_FILE}")
     if options.control:
         print(f"control:              {control_dir}")

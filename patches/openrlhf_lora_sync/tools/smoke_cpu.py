@@ -100,12 +100,12 @@ import time
 from pathlib import Path
 
 from openrlhf_lora_sync import REPO_ROOT, recipe
+from openrlhf_lora_sync.cpu_standins import FLASH_ATTN_TRITON_CROSS_ENTROPY
+from openrlhf_lora_sync.tools.cpu_run import REWARD_WINDOW, reward_plot, window_means
 
 DEFAULT_RECIPE = "smoke-cpu"
 FAMILY = "qwen2_5_vl"
 ENGINE_DTYPE = "float32"
-TRITON_CROSS_ENTROPY = "flash_attn.ops.triton.cross_entropy"
-REWARD_WINDOW = 5  # steps averaged at each end of the run for summary.json's reward_first/reward_last
 CONTROL = "control"  # the control run's metric prefix and its folder in the run folder
 SEED_STRIDE = 1 << 20  # rollout sampling seeds: (seed, step, sample) packed, each below this
 
@@ -208,15 +208,16 @@ def openrlhf_torch_log_probs():
     ImportError. The CPU stack ships flash-attn's Python files, so the import succeeds and the kernel then
     fails on CPU tensors; a None entry in sys.modules makes the import raise ImportError instead. The entry
     is restored on exit, so nothing else in the process is affected."""
-    saved = sys.modules.get(TRITON_CROSS_ENTROPY)
-    sys.modules[TRITON_CROSS_ENTROPY] = None
+    missing = object()  # the entry may be there and None already (cpu_standins.install in this process)
+    saved = sys.modules.get(FLASH_ATTN_TRITON_CROSS_ENTROPY, missing)
+    sys.modules[FLASH_ATTN_TRITON_CROSS_ENTROPY] = None
     try:
         yield
     finally:
-        if saved is None:
-            sys.modules.pop(TRITON_CROSS_ENTROPY, None)
+        if saved is missing:
+            sys.modules.pop(FLASH_ATTN_TRITON_CROSS_ENTROPY, None)
         else:
-            sys.modules[TRITON_CROSS_ENTROPY] = saved
+            sys.modules[FLASH_ATTN_TRITON_CROSS_ENTROPY] = saved
 
 
 class BatchingLocalEngine:
@@ -623,14 +624,6 @@ def step_rewards(history: list[dict], key: str = "reward/mean") -> list[float]:
     return [metrics[key] for metrics in history if metrics["step"] >= 1 and key in metrics]
 
 
-def window_means(rewards: list[float]) -> tuple[float | None, float | None]:
-    """Mean reward of the first and of the last REWARD_WINDOW steps (they overlap in a shorter run)."""
-    if not rewards:
-        return None, None
-    first, last = rewards[:REWARD_WINDOW], rewards[-REWARD_WINDOW:]
-    return sum(first) / len(first), sum(last) / len(last)
-
-
 def reward_summary(history: list[dict]) -> dict[str, float | None]:
     """summary.json's reward_first/reward_last and, after --control, control_reward_first/_last."""
     summary = dict(zip(("reward_first", "reward_last"), window_means(step_rewards(history)), strict=True))
@@ -643,40 +636,12 @@ def reward_summary(history: list[dict]) -> dict[str, float | None]:
 
 def plot_rewards(history: list[dict], path: Path, reward_name: str) -> Path | None:
     """reward.png: mean reward per step of the run and of its control; None without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")  # files only: no display on a CI machine
-    import matplotlib.pyplot as plt
-
     curves = {
         "synced: the engine gets every update": step_rewards(history),
         "control: engine never synced after step 0": step_rewards(history, f"{CONTROL}/reward/mean"),
     }
-    means = reward_summary(history)
-    title = "GRPO + LoRA on CPU: tiny random Qwen2.5-VL, vLLM-CPU rollouts"
-    if means["reward_first"] is not None:
-        title += f"\nmean of the first/last {REWARD_WINDOW} steps: "
-        title += f"{means['reward_first']:.2f} -> {means['reward_last']:.2f}"
-        if "control_reward_first" in means:
-            title += f", control {means['control_reward_first']:.2f} -> {means['control_reward_last']:.2f}"
-    figure, axes = plt.subplots(figsize=(6.4, 3.6), dpi=100)
-    for label, rewards in curves.items():
-        if rewards:
-            axes.plot(range(1, len(rewards) + 1), rewards, marker="o", markersize=3, label=label)
-    axes.set_xlabel("GRPO step")
-    axes.set_ylabel(f"mean reward ({reward_name.replace('_', ' ')})")
-    axes.set_title(title, fontsize=9)
-    axes.xaxis.get_major_locator().set_params(integer=True)
-    axes.set_ylim(bottom=0)
-    axes.grid(alpha=0.3)
-    if any(curves.values()):  # a run that stopped before its first step has no curve to label
-        axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path)
-    plt.close(figure)
-    return path
+    what = "tiny random Qwen2.5-VL, vLLM-CPU rollouts"
+    return reward_plot(curves, reward_summary(history), path, reward_name, what)
 
 
 @dataclasses.dataclass
