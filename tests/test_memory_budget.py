@@ -486,6 +486,7 @@ def has_model_config(path: Path) -> bool:
     return model in mb.REFERENCE_CONFIGS or (ROOT / model / "config.json").is_file()
 
 
+MEMORY_PREFIX = recipe.MEMORY_LINE_PREFIX
 RECIPES_WITH_A_MODEL = [p for p in sorted((ROOT / "recipes").glob("*.yaml")) if has_model_config(p)]
 
 
@@ -500,24 +501,41 @@ def peaks(text: str) -> tuple[str, ...]:
 def test_cli_recipe_gives_the_numbers_of_its_header(path, capsys):
     assert mb.main(["--recipe", str(path)]) == 0  # each recipe fits, as its header says
     header = MEMORY_LINE.search(path.read_text())
-    assert peaks(capsys.readouterr().out) == header.groups()
+    out = capsys.readouterr().out
+    assert peaks(out) == header.groups()
+    # The last line is the header's memory line, verdict included.
+    (header_line,) = [line for line in path.read_text().splitlines() if line.startswith(MEMORY_PREFIX)]
+    assert out.splitlines()[-1] == "memory: " + header_line.removeprefix(MEMORY_PREFIX)
+    assert header_line.endswith("; fits")
     assert mb.main(["--recipe", path.stem]) == 0  # a bare name in recipes/, as run_grpo_lora.sh takes
 
 
 def test_cli_model_alone_is_judged_with_this_repos_base_recipe(capsys):
-    assert mb.main(["--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--json"]) in (0, 1)
-    settings = json.loads(capsys.readouterr().out)["settings"]
+    assert mb.main(["--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--json"]) == 1  # base.yaml's layout: no
+    result = json.loads(capsys.readouterr().out)
+    settings = result["settings"]
+    assert result["fits"] is False
     # base.yaml: 4 GPUs, ZeRO-3, colocated, LoRA r=64, KL 0; vllm.tensor_parallel_size null -> OpenRLHF's 1
     assert (settings["gpus"], settings["zero_stage"], settings["colocate"]) == (4, 3, True)
     assert (settings["lora_rank"], settings["reference"], settings["vllm_tp"]) == (64, "none", 1)
-    # Negative control: not OpenRLHF's defaults (8 GPUs, ZeRO-2, separate vLLM, rank 0).
-    assert settings["gpus"] != 16 and settings["zero_stage"] != 2
+    # Negative control: the settings are read from the run, not fixed: a --set of OpenRLHF's own defaults
+    # (ZeRO-2, 8 GPUs a node) shows in them.
+    for override in ("--set=ds.zero_stage=2", "--set=actor.num_gpus_per_node=8"):
+        assert mb.main(["--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--json", override]) == 1  # neither fits
+    zero2, eight = (json.loads(line)["settings"] for line in capsys.readouterr().out.splitlines())
+    assert zero2["zero_stage"] == 2 and eight["gpus"] == 8
     # The README's 7B fits with its recipe's layout (2 engines x TP2, util 0.77), given here as overrides.
     layout = ["vllm.num_engines=2", "vllm.tensor_parallel_size=2", "vllm.gpu_memory_utilization=0.77"]
     args = ["--model", "Qwen/Qwen2.5-VL-7B-Instruct", *(f"--set={item}" for item in layout)]
     assert mb.main(args) == 0
-    assert mb.main(["--recipe", "recipes/base.yaml", "--model", "Qwen/Qwen2.5-VL-7B-Instruct"]) in (0, 1)
-    assert "Qwen/Qwen2.5-VL-7B-Instruct: 8.29 B parameters" in capsys.readouterr().out
+    capsys.readouterr()
+    assert mb.main(["--recipe", "recipes/base.yaml", "--model", "Qwen/Qwen2.5-VL-7B-Instruct"]) == 1
+    out = capsys.readouterr().out
+    assert "Qwen/Qwen2.5-VL-7B-Instruct: 8.29 B parameters" in out
+    # The verdict line names each phase over with its numbers, and the cheapest fix the estimator knows.
+    last = out.splitlines()[-1]
+    assert last.startswith("memory: rollout ") and "; does not fit: " in last, last
+    assert "sync 23.9 > 23.5 GiB" in last and "; cheapest fix: " in last, last
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
-"""scripts/preflight.py: each check against fake inputs (proc files, environments, caches, GPU lists), the
-real pidfd_getfd probe between two sibling processes, a really denied probe, and the command line.
+"""scripts/preflight.py: each check against fake inputs (proc files, environments, caches, GPU lists, tiny
+datasets with PNGs, each broken way next to its fixed twin), the shipped sample data, the real pidfd_getfd
+probe between two sibling processes, a really denied probe, and the command line.
 
 Not covered: a machine with GPUs (the GPU checks take a GPU list, so they are tested with fake ones) and a
 kernel with Yama active (this one has none; the ptrace_scope check reads a fake file).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ import pytest
 import yaml
 from openrlhf_lora_sync import memory_budget, preflight
 from openrlhf_lora_sync import recipe as render_recipe
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
 RTX_4090 = preflight.GpuInfo("NVIDIA GeForce RTX 4090", 23.99)
@@ -265,6 +268,157 @@ def test_model_directory(tmp_path):
     assert result.status == preflight.PASS and result.details["config"] == str(tmp_path)
 
 
+def test_model_directory_with_unreadable_weights(tmp_path, tiny_model_dir):
+    """A checkpoint cut off mid-download FAILs naming the file (weights_check.py); the intact copy passes."""
+    import shutil
+
+    model = shutil.copytree(tiny_model_dir("qwen3"), tmp_path / "qwen3")
+    assert preflight.check_model(str(model), {}).status == preflight.PASS  # the fixed twin
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[: len(data) // 3])
+    result = preflight.check_model(str(model), {})
+    assert result.status == preflight.FAIL, result
+    assert f"{model / 'model.safetensors'}: cannot be read as safetensors" in result.summary
+
+
+def image_row(*images: str, **keys) -> dict:
+    """A prompt row as prepare_data.py writes it (data/sample/train.jsonl) with these image paths; `keys`
+    replace or add keys (a key set to None is left out)."""
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "Find x."}]
+    row = {"prompt": [{"role": "user", "content": content}], "images": list(images), "label": "5"}
+    return {key: value for key, value in {**row, **keys}.items() if value is not None}
+
+
+def write_data(directory: Path, files: dict, pngs: tuple[str, ...]) -> None:
+    """Each file: a list of rows (JSONL) or raw text; each PNG a real 8x8 image (made with PIL)."""
+    for name, content in files.items():
+        text = content if isinstance(content, str) else "".join(json.dumps(row) + "\n" for row in content)
+        (directory / name).write_text(text)
+    for name in pngs:
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8), "white").save(directory / name)
+
+
+def data_check(directory: Path, dataset: str, *overrides: str) -> preflight.CheckResult:
+    """The data check of the CPU smoke recipe (4 rows read, one image per prompt, no eval set) on
+    `dataset`, relative paths resolved from `directory` (the launcher's, in a real run)."""
+    run = render_recipe.load_run("smoke-cpu", [f"data.prompt_dataset={dataset}", *overrides], {"HOME": "/no"})
+    return preflight.check_data(run, directory)
+
+
+ONE_IMAGE = {"train.jsonl": [image_row("images/0.png")]}
+TWO_IMAGES = {"train.jsonl": [image_row("images/0.png", "images/1.png")]}
+QUESTION = {"train.jsonl": [image_row("images/0.png", prompt=None, question="Find x.")]}
+NO_LABEL = {"train.jsonl": [image_row("images/0.png", label=None)]}
+ONE_PNG, BOTH_PNGS = ("images/0.png",), ("images/0.png", "images/1.png")
+FINE = ("train.jsonl", ONE_IMAGE, ONE_PNG, ())
+
+# Each case: what is broken -> (status, words of the summary), then its fixed twin, which passes. A case is
+# (data.prompt_dataset, files, PNGs, recipe overrides).
+DATA_CASES = {
+    "missing file": (
+        ("train.jsonl", {}, (), ()),
+        (preflight.FAIL, "train.jsonl: no such file or directory in"),
+        FINE,
+    ),
+    "not parseable": (
+        ("train.jsonl", {"train.jsonl": '{"prompt": "Find x."}\nnot json\n'}, (), ()),
+        (preflight.FAIL, "`datasets` cannot read it as OpenRLHF does"),
+        FINE,
+    ),
+    "missing input key": (
+        ("train.jsonl", QUESTION, ONE_PNG, ()),
+        (preflight.FAIL, "1 rows have no 'prompt' (data.input_key"),
+        ("train.jsonl", QUESTION, ONE_PNG, ("data.input_key=question",)),
+    ),
+    "missing label key": (
+        ("train.jsonl", NO_LABEL, ONE_PNG, ()),
+        (preflight.FAIL, "no row has 'label' (data.label_key"),
+        ("train.jsonl", NO_LABEL, ONE_PNG, ("data.label_key=null",)),
+    ),
+    "missing image key": (
+        ("train.jsonl", ONE_IMAGE, ONE_PNG, ("data.image_key=image",)),
+        (preflight.FAIL, "no row has 'image' (data.image_key"),
+        FINE,
+    ),
+    "relative image missing": (
+        ("train.jsonl", ONE_IMAGE, (), ()),
+        (preflight.FAIL, "1 rows have none of their images (of 1 missing, e.g. images/0.png)"),
+        FINE,
+    ),
+    "some images missing": (
+        ("train.jsonl", TWO_IMAGES, ONE_PNG, ("data.max_images_per_prompt=2",)),
+        (preflight.WARN, "1 rows miss some of their images (e.g. images/1.png)"),
+        ("train.jsonl", TWO_IMAGES, BOTH_PNGS, ("data.max_images_per_prompt=2",)),
+    ),
+    "over the image limit": (
+        ("train.jsonl", TWO_IMAGES, BOTH_PNGS, ()),
+        (preflight.FAIL, "1 rows have more than 1 images (data.max_images_per_prompt)"),
+        ("train.jsonl", TWO_IMAGES, BOTH_PNGS, ("data.max_images_per_prompt=2",)),
+    ),
+    "no such split": (
+        ("train.jsonl", ONE_IMAGE, ONE_PNG, ("data.prompt_split=test",)),
+        (preflight.FAIL, "no split 'test' (data.prompt_split); it has ['train']"),
+        FINE,
+    ),
+    "hub id": (
+        ("hiyouga/geometry3k", {}, (), ()),
+        (preflight.WARN, "a hub dataset id: not checked offline"),
+        FINE,
+    ),
+    "one of two datasets missing": (
+        ("train.jsonl,more.jsonl", ONE_IMAGE, ONE_PNG, ()),
+        (preflight.FAIL, "more.jsonl: no such file or directory"),
+        ("train.jsonl,more.jsonl", {**ONE_IMAGE, "more.jsonl": ONE_IMAGE["train.jsonl"]}, ONE_PNG, ()),
+    ),
+}
+
+
+def data_case(directory: Path, dataset: str, files: dict, pngs: tuple, overrides: tuple):
+    directory.mkdir()
+    write_data(directory, files, pngs)
+    return data_check(directory, dataset, *overrides)
+
+
+@pytest.mark.parametrize("case", list(DATA_CASES), ids=list(DATA_CASES))
+def test_data(tmp_path, case):
+    broken, (status, said), fixed = DATA_CASES[case]
+    result = data_case(tmp_path / "broken", *broken)
+    assert (result.status, said in result.summary) == (status, True), result.summary
+    assert result.fix
+    passed = data_case(tmp_path / "fixed", *fixed)
+    assert passed.status == preflight.PASS, passed.summary
+
+
+def test_data_reads_the_rows_the_run_reads_and_at_most_the_cap(tmp_path, monkeypatch):
+    write_data(tmp_path, {"train.jsonl": [image_row("images/0.png")] * 6}, ONE_PNG)
+    result = data_check(tmp_path, "train.jsonl")
+    assert result.status == preflight.PASS
+    assert "first 4 rows (data.max_samples: the run reads no more)" in result.summary
+    assert result.details == {"datasets": [{"rows": 4, "images": 4, "missing": 0, "over_limit": 0}]}
+    assert "6 rows, each with" in data_check(tmp_path, "train.jsonl", "data.max_samples=10").summary
+    monkeypatch.setattr(preflight, "DATA_ROW_CAP", 2)
+    assert "first 2 rows (preflight's cap)" in data_check(tmp_path, "train.jsonl").summary
+
+
+def test_the_sample_data_passes_with_the_smoke_recipe_from_the_repo_root(tmp_path):
+    run = render_recipe.load_run("smoke-cpu", [], {"HOME": "/no"})
+    result = preflight.check_data(run, ROOT)
+    assert result.status == preflight.PASS, result.summary
+    assert "data/sample/train.jsonl" in result.summary and result.details["datasets"][0]["images"] == 4
+    # Negative control: the same JSONL read from another directory, whose image paths resolve there.
+    (tmp_path / "data" / "sample").mkdir(parents=True)
+    shutil.copy(ROOT / "data" / "sample" / "train.jsonl", tmp_path / "data" / "sample")
+    moved = preflight.check_data(run, tmp_path)
+    assert moved.status == preflight.FAIL and "4 rows have none of their images" in moved.summary
+
+
+def test_data_without_a_recipe_or_a_dataset_is_not_checked():
+    assert preflight.check_data(None, ROOT).status == preflight.NA
+    without = preflight.check_data(user_27b_run(), ROOT)  # flags without data.prompt_dataset
+    assert without.status == preflight.NA and "no data.prompt_dataset" in without.summary
+
+
 def test_packages_match_the_pins_here():
     result = preflight.check_packages("cpu")
     assert result.status == preflight.PASS, result.summary
@@ -398,6 +552,7 @@ def test_cli_reports_every_check_and_fails_on_a_denied_probe_with_expandable_seg
         "host_memory",
         "transport",
         "lora_config",
+        "data",
     }
     assert results["pidfd_getfd"]["status"] == preflight.FAIL
     assert "SYS_PTRACE" in results["pidfd_getfd"]["fix"]
@@ -412,5 +567,5 @@ def test_cli_with_the_users_recipe(tmp_path):
     memory = next(line for line in lines if line.startswith("FAIL  memory"))
     assert "Qwen/Qwen3.5-27B" in memory
     assert any("trainer.offload_params: true" in line for line in lines)
-    assert lines[-1].startswith("preflight: 15 checks")
+    assert lines[-1].startswith("preflight: 16 checks")
     assert completed.returncode == 1

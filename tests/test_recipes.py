@@ -143,7 +143,7 @@ def test_the_users_27b_recipe_keeps_their_flags_and_kl_and_fits_with_the_offload
     assert headline.endswith("; fits") and "host RAM 81.9 GiB per node" in headline
     # Negative controls: without the offload, or with upstream's reference model, it does not fit.
     for override in ("trainer.offload_params=false", "sync.reference_from_base=false"):
-        assert "does NOT fit" in memory_headline("qwen3_5-27b-4x4090.yaml", override)
+        assert "does not fit: " in memory_headline("qwen3_5-27b-4x4090.yaml", override)
 
 
 @pytest.mark.parametrize("overrides", [(), ("algo.kl.init_coef=0.01",)])

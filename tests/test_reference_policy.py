@@ -3,16 +3,20 @@ OpenRLHF's own reference model does, and train_ppo_ray then starts no reference 
 
 Covers
 - Equality: a worker process (DeepSpeed ZeRO-3 on the CPU accelerator, world size 1, fp32) builds OpenRLHF's
-  own `Actor` twice from one tiny checkpoint: the policy with LoRA (as PolicyModelActor builds it, under
-  the training config) and the reference without (as ReferenceModelActor builds it, prepared by
-  OpenRLHF's `strategy.prepare` with its eval config). After AdamW steps have moved the policy, the
-  patched `PolicyModelActor.reference_forward` and upstream's `ReferenceModelActor.forward` (both
-  through `Actor.forward` with an action mask, left padding included) agree within 1e-6, while the
-  policy's own `forward` differs from the reference by more than 1e-2 (the control). Also: afterwards the
-  policy computes what it did before (adapters back on), every requires_grad flag is as it was, and a
-  further training step still moves the adapters (ZeRO-3's gradient hooks survive peft's toggling).
+  own `Actor` twice from one tiny checkpoint: the policy with LoRA (as PolicyModelActor builds it: loaded
+  under `strategy.get_ds_train_config()`, then OpenRLHF's `strategy.prepare((actor, cfg))`, patched by
+  apply(), builds its engine and AdamW) and the reference without (as ReferenceModelActor builds it,
+  prepared by `strategy.prepare` with its eval config). After AdamW steps (strategy.backward /
+  optimizer_step) have moved the policy, the patched `PolicyModelActor.reference_forward` and upstream's
+  `ReferenceModelActor.forward` (both through `Actor.forward` with an action mask, left padding
+  included) agree within 1e-6, while the policy's own `forward` differs from the reference by more than
+  1e-2 (the control). Also: afterwards the policy computes what it did before (adapters back on), every
+  requires_grad flag is as it was, and a further training step still moves the adapters (ZeRO-3's
+  gradient hooks survive peft's toggling).
   Run twice: as upstream configures the policy, and with the trainer base offload (offload.py,
-  LORA_SYNC_OFFLOAD_PARAMS=1: parameters and optimizer in host memory, the reporter's 27B recipe).
+  LORA_SYNC_OFFLOAD_PARAMS=1: parameters and optimizer in host memory, the reporter's 27B recipe); where
+  the engine keeps them is read from the config DeepSpeed parsed for the engine strategy.prepare built
+  (cpu with offload, none without), so a broken wrapper in offload.py fails the offload case.
 - train_ppo_ray's set-up: upstream `train(args)` (module run as the launcher runs it, after apply(), with
   args from OpenRLHF's own parser through render_recipe's dry run) on a local Ray cluster that declares
   GPU resources the CPU actors never touch. With the mode on no ReferenceModelActor group is created,
@@ -91,13 +95,40 @@ def _lora_state(model) -> dict[str, torch.Tensor]:
     return state
 
 
+def _fully_partitioned_train_configs() -> None:
+    """Every parameter a ZeRO-3 partition, released outside a gather (persistence threshold 0), in the
+    train configs OpenRLHF builds: what `zero3_released` checks. Wrapped around the patched
+    get_ds_train_config, so offload.py's entries stay as it writes them."""
+    from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+    upstream = DeepspeedStrategy.get_ds_train_config
+
+    def get_ds_train_config(self, *args, **kwargs):
+        config = upstream(self, *args, **kwargs)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        return config
+
+    DeepspeedStrategy.get_ds_train_config = get_ds_train_config
+
+
+def _engine_offload(engine) -> dict[str, str]:
+    """Where the engine keeps parameters and optimizer states: DeepSpeed's parsed zero config of the
+    engine strategy.prepare built, not a dict the test wrote."""
+    zero = engine._config.zero_config
+    return {
+        kind: "none" if entry is None else str(entry.device)
+        for kind, entry in (("param", zero.offload_param), ("optimizer", zero.offload_optimizer))
+    }
+
+
 def run_worker(model_dir: str, out: str) -> None:
     import deepspeed
     from openrlhf.models import Actor
     from openrlhf.trainer.ray import launcher, ppo_actor
     from openrlhf.utils import utils as openrlhf_utils
     from openrlhf.utils.deepspeed import DeepspeedStrategy
-    from openrlhf_lora_sync import offload, openrlhf_patch
+    from openrlhf_lora_sync import openrlhf_patch
+    from openrlhf_lora_sync.testing import cpu_deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
     _cpu_stack_stand_ins()
@@ -105,12 +136,17 @@ def run_worker(model_dir: str, out: str) -> None:
     openrlhf_utils.convert_to_torch_dtype = lambda name: (
         torch.float32 if name == "fp32" else upstream_dtype(name)
     )
-    openrlhf_patch.apply()
+    openrlhf_patch.apply()  # offload.py wraps Actor.__init__ and the strategy (LORA_SYNC_OFFLOAD_PARAMS)
+    # torch's AdamW from OpenRLHF's optimizer config: DeepSpeed's CPU Adam (what an offloaded optimizer
+    # gets) is a C++ extension compiled on first use, minutes on 2 cores.
+    cpu_deepspeed.use_torch_adam()
+    _fully_partitioned_train_configs()
 
+    # fp32 (cpu_deepspeed.strategy() is bf16): the reference equality is checked to 1e-6.
     args = SimpleNamespace(ds=SimpleNamespace(param_dtype="fp32"), train=SimpleNamespace())
     strategy = DeepspeedStrategy(zero_stage=3, args=args)
-    train_config = {**strategy.get_ds_train_config(), "zero_allow_untested_optimizer": True}
-    train_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    # As PolicyModelActor.init_model_from_pretrained: the Actor loaded under the train config, then
+    # strategy.prepare((actor, cfg)), so the offload entries are the ones offload.py's wrappers write.
     policy = Actor(
         model_dir,
         attn_implementation="sdpa",
@@ -118,15 +154,18 @@ def run_worker(model_dir: str, out: str) -> None:
         lora_rank=8,
         lora_alpha=16,
         target_modules=LORA_TARGETS,
-        ds_config=train_config,
+        ds_config=strategy.get_ds_train_config(),
     )
-    if offload.offload_enabled():  # what the wrapped _ds_init_train_model gives deepspeed.initialize
-        train_config = {**offload.with_param_offload(train_config), "zero_force_ds_cpu_optimizer": False}
-    adapters = [p for p in policy.model.parameters() if p.requires_grad]
-    engine, *_ = deepspeed.initialize(
-        model=policy.model, optimizer=torch.optim.AdamW(adapters, lr=0.05), config=train_config
-    )
-    policy.model = engine  # what strategy.prepare((actor, cfg)) does with the engine
+    optimizer_config = {
+        "optim": "adam",
+        "muon": {},
+        "adam": {"lr": 0.05, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
+        "lr_scheduler": "constant",
+        "scheduler_steps": 1000,
+        "max_norm": 0.0,
+    }
+    policy, optimizer, scheduler = strategy.prepare((policy, optimizer_config))
+    engine = policy.model
     reference = Actor(
         model_dir, attn_implementation="sdpa", param_dtype="fp32", ds_config=strategy.get_ds_eval_config()
     )
@@ -138,8 +177,8 @@ def run_worker(model_dir: str, out: str) -> None:
     def train_step() -> None:
         policy.train()
         log_probs = policy(sequences, action_mask, attention_mask)
-        engine.backward(-(log_probs.sum() / action_mask.sum()))
-        engine.step()
+        strategy.backward(-(log_probs.sum() / action_mask.sum()), policy, optimizer)
+        strategy.optimizer_step(optimizer, policy, scheduler)
 
     for _ in range(3):
         train_step()
@@ -172,7 +211,7 @@ def run_worker(model_dir: str, out: str) -> None:
             (lora_after_step[name] - lora_before_step[name]).abs().max().item() for name in lora_before_step
         ),
         "shape": list(from_base.shape),
-        "offload_param": train_config["zero_optimization"].get("offload_param", {}).get("device", "none"),
+        "offload": _engine_offload(engine),
     }
     Path(out).write_text(json.dumps(result))
     torch.distributed.destroy_process_group()
@@ -197,7 +236,9 @@ def test_reference_from_disabled_adapters_equals_openrlhfs_reference_model(
     print(result)
     assert result["zero3_released"], "the policy's parameters are not ZeRO-3 partitions"
     assert result["shape"] == [2, 8]
-    assert result["offload_param"] == ("cpu" if offload_params == "1" else "none"), result
+    # Read from the engine strategy.prepare built: offload.py's wrappers, not the test, set these.
+    expected_device = "cpu" if offload_params == "1" else "none"
+    assert result["offload"] == {"param": expected_device, "optimizer": expected_device}, result
     assert result["policy_vs_reference"] > MIN_POLICY_MOVE, result  # the control: training moved the policy
     assert result["reference_diff"] <= REFERENCE_ATOL, result
     assert result["policy_unchanged"] and result["flags_kept"] and result["trainable"] > 0, result

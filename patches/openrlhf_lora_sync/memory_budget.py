@@ -598,6 +598,29 @@ def gib(size: float) -> str:
     return f"{size / GIB:.1f}"
 
 
+def verdict(budget: Budget) -> str:
+    """ "fits", or "does not fit: <phase> X > Y GiB, ...": the end of the recipe header's memory line."""
+    failing = [name for name in ("rollout", "train", "sync") if not budget.fits(name)]
+    if not failing:
+        return "fits"
+    usable = gib(budget.usable)
+    over = [f"{name} {gib(budget.phase(name).total)} > {usable} GiB" for name in failing]
+    if "rollout" in failing and budget.phase("rollout").total <= budget.usable:
+        over[failing.index("rollout")] = "rollout: no KV cache room for one sequence"
+    return "does not fit: " + ", ".join(over)
+
+
+def headline(budget: Budget) -> str:
+    """The recipe header's memory line (after its prefix): each phase's peak GiB per GPU, the usable GiB,
+    host RAM per node, the verdict."""
+    phases = {"rollout": "rollout", "train": "train", "sync": "sync", "delta sync": "sync_delta"}
+    peaks = ", ".join(f"{label} {gib(budget.phase(name).total)}" for label, name in phases.items())
+    return (
+        f"{peaks} of {gib(budget.usable)} usable; host RAM {gib(budget.host_bytes)} GiB per node; "
+        + verdict(budget)
+    )
+
+
 def _base_bytes(spec: ModelSpec, quantized: bool) -> float:
     if not quantized:
         return 2.0 * spec.total_parameters
@@ -1007,9 +1030,11 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(budget))
         for line in budget.problems():
             print("  does not fit: " + line)
-        fitting = None if budget.fits() else find_fitting(spec, budget.settings)
-        if fitting:
-            print("  fits with: " + "; ".join(fitting[0]))
+        last = f"memory: {headline(budget)}"  # the line a recipe's header carries, and the verdict
+        if not budget.fits():
+            fitting = find_fitting(spec, budget.settings)
+            last += "; cheapest fix: " + ("; ".join(fitting[0]) if fitting else "none the estimator knows")
+        print(last)
     return 0 if budget.fits() else 1
 
 

@@ -6,8 +6,9 @@
                                 [--set FLAG=VALUE ...] [--json]
 
 Hardware: any Linux machine; GPU checks report N/A (no recipe) or FAIL (a recipe that needs GPUs) without
-one. Takes a few seconds: two short probe processes, the package check, and torch's import where an
-NVIDIA driver is present. Exits 1 when any check FAILs, else 0. Makes no network calls.
+one. Takes a few seconds: two short probe processes, the package check, torch's import where an NVIDIA
+driver is present, and `datasets`' import where the run's data is local. Exits 1 when any check FAILs, else
+0. Makes no network calls.
 
 Covers
 - gpus: count and memory against the recipe and its memory budget (torch.cuda, else nvidia-smi).
@@ -27,6 +28,14 @@ Covers
 - wandb: WANDB_API_KEY, ~/.netrc for api.wandb.ai, the recipe's logger.wandb.key, or offline mode.
 - disk: free space at the output directory against the checkpoints the recipe keeps.
 - model: a local directory with config.json, or a hub id in the local Hugging Face cache.
+- data: each entry of data.prompt_dataset and eval.dataset (comma-separated, `path@data_dir`) opened by
+  `datasets` as openrlhf.datasets.utils.blending_datasets opens it (builder by extension, save_to_disk
+  directory, folder of data files; streamed) with its split, and its first rows (data.max_samples, at most
+  1000): data.input_key and data.label_key present; in a VLM run (data.max_images_per_prompt > 0)
+  data.image_key present, local image files found relative to the working directory (the launcher's, which
+  every Ray actor enters: LORA_SYNC_WORKDIR), and no row over data.max_images_per_prompt. FAILs what stops
+  the run (no file, unreadable, no such split or key, a row none of whose images exist, a row over the
+  image limit, which vLLM refuses); WARNs rows missing some images or a label, and hub ids (not checked).
 - packages: `pins.py check --stack cpu|gpu` (installed versions against versions.toml), run by the Python
   that will train (`python`), which need not be this one.
 - transport: the recipe's sync.transport (or LORA_SYNC_TRANSPORT) against this host: cuda_ipc FAILs
@@ -40,15 +49,17 @@ Covers
   settings that need less (vLLM sleep level 2, less offload) and whether the GPUs still fit with them.
 
 Does not cover: network reachability (hub, wandb), NCCL itself, the driver/CUDA version match (torch
-reports that on first use), or multi-node setups. Recipes are read as YAML mappings whose keys are
-OpenRLHF flags without dashes, nested (`vllm: {tensor_parallel_size: 4}`) or dotted; a `base:` key names
-a recipe (path relative to this one) that it overrides.
+reports that on first use), multi-node setups, hub datasets, rows after the first 1000, whether images
+decode, prompt lengths against data.max_len, or blended datasets' features matching. Recipes are read as
+YAML mappings whose keys are OpenRLHF flags without dashes, nested (`vllm: {tensor_parallel_size: 4}`) or
+dotted; a `base:` key names a recipe (path relative to this one) that it overrides.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import itertools
 import json
 import netrc
 import os
@@ -500,6 +511,19 @@ def looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~")) or Path(model).expanduser().exists()
 
 
+def model_weights_problem(path: Path) -> str | None:
+    """weights_check's line for a local checkpoint's weight files (readable, shaped as its config builds)."""
+    from transformers import AutoConfig
+
+    from openrlhf_lora_sync.weights_check import expected_shapes, weights_problem
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return weights_problem(path)  # a config this transformers cannot build: files checked, shapes not
+    return weights_problem(path, expected=expected_shapes(config))
+
+
 def check_model(model: str | None, env: dict) -> CheckResult:
     if not model:
         return CheckResult("model", NA, "no model given (--model or the recipe's actor.model_name_or_path)")
@@ -507,6 +531,10 @@ def check_model(model: str | None, env: dict) -> CheckResult:
         path = Path(model).expanduser()
         if (path / "config.json").is_file():
             model_type = json.loads((path / "config.json").read_text()).get("model_type")
+            unreadable = model_weights_problem(path)
+            if unreadable:
+                fix = "download the checkpoint again (or fix its files) before starting the run"
+                return CheckResult("model", FAIL, unreadable, fix)
             return CheckResult(
                 "model", PASS, f"{path}: config.json, model_type {model_type}", details={"config": str(path)}
             )
@@ -537,6 +565,203 @@ def check_model(model: str | None, env: dict) -> CheckResult:
         f"{model} is not in the Hugging Face cache {cache}; whether the hub has it cannot be checked "
         "offline (preflight makes no network calls); it will be downloaded at start",
         "pre-download it (`hf download " + model + "`); gated models need HF_TOKEN",
+    )
+
+
+# ------------------------------------------------------------------------------------------ data
+
+DATA_ROW_CAP = 1000  # rows read per dataset, so that a large one is checked in seconds
+# The extensions openrlhf.datasets.utils.blending_datasets loads with the `datasets` builder they name.
+DATA_FILE_BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+# Image references load_images fetches or decodes instead of opening as a file (the bare base64 it also
+# accepts is not told apart: it counts as a missing file).
+INLINE_IMAGE_PREFIXES = ("http://", "https://", "data:")
+
+
+def image_references(row: dict, key: str) -> list:
+    """A prompt row's images as OpenRLHF counts them (vlm_utils.process_prompt_with_images): the value under
+    `key`, one reference or a list, without None entries (a text-only row has none)."""
+    references = row.get(key)
+    references = references if isinstance(references, list) else [references]
+    return [reference for reference in references if reference is not None]
+
+
+def load_local_dataset(path: Path, data_dir: str | None):
+    """A local dataset opened the way blending_datasets opens it (the builder its extension names, else a
+    save_to_disk directory, else a folder of data files), streamed where it is parsed, so that reading its
+    first rows does not read the rest. Raises what `datasets` raises."""
+    import datasets  # seconds to import on 2 cores: only where there is local data to check
+
+    builder = DATA_FILE_BUILDERS.get(os.path.splitext(path)[1])
+    if builder:
+        return datasets.load_dataset(builder, data_files=str(path), streaming=True)
+    if path.is_dir():
+        try:
+            return datasets.load_from_disk(str(path))
+        except Exception:  # as in blending_datasets: not a save_to_disk directory, read its data files
+            pass
+    return datasets.load_dataset(str(path), data_dir=data_dir, streaming=True)
+
+
+def row_problems(rows: list[dict], data, workdir: Path) -> tuple[list[tuple[str, str, str]], dict]:
+    """What in `rows` the run would trip on, as (status, what, fix), and the counts: the keys the run reads
+    (data.input_key, data.label_key), and in a VLM run (data.max_images_per_prompt > 0) each row's images,
+    local paths opened from `workdir`, against the limit vLLM enforces."""
+    keys = sorted({key for row in rows for key in row})
+    problems = []
+    missing_input = sum(row.get(data.input_key) is None for row in rows)
+    if missing_input:
+        what = f"{missing_input} rows have no {data.input_key!r} (data.input_key; keys: {keys})"
+        problems.append((FAIL, what, "set data.input_key to the rows' prompt key, or fix those rows"))
+    missing_label = sum(row.get(data.label_key) is None for row in rows) if data.label_key else 0
+    if missing_label == len(rows):  # preprocess_data indexes every row by the key
+        what = f"no row has {data.label_key!r} (data.label_key; keys: {keys})"
+        problems.append((FAIL, what, "set data.label_key to the rows' answer key"))
+    elif missing_label:
+        what = f"{missing_label} rows have no {data.label_key!r}: the reward gets None as their label"
+        problems.append((WARN, what, "fix those rows or drop them"))
+    counts = {"rows": len(rows)}
+    limit = data.max_images_per_prompt
+    if limit <= 0:
+        return problems, counts
+
+    if not any(data.image_key in row for row in rows):
+        what = f"no row has {data.image_key!r} (data.image_key; keys: {keys}) in a VLM run"
+        problems.append((FAIL, what, "set data.image_key to the rows' image key"))
+    images = found = none_found = some_missing = over_limit = 0
+    example = None
+    for row in rows:
+        references = image_references(row, data.image_key)
+        local = [r for r in references if isinstance(r, str) and not r.startswith(INLINE_IMAGE_PREFIXES)]
+        missing = [r for r in local if not os.path.isfile(workdir / r)]
+        images, found = images + len(references), found + len(references) - len(missing)
+        example = example or (missing[0] if missing else None)
+        none_found += bool(references) and len(missing) == len(references)
+        some_missing += 0 < len(missing) < len(references)
+        over_limit += len(references) > limit
+    path_fix = (
+        f"image paths open relative to the directory the launcher runs in ({workdir}, where preflight runs): "
+        "make them relative to it (prepare_data.py --relative-to) or absolute"
+    )
+    if none_found:
+        what = (
+            f"{none_found} rows have none of their images (of {images - found} missing, e.g. {example}): "
+            "OpenRLHF stops the run at such a row ('All images failed to load')"
+        )
+        problems.append((FAIL, what, path_fix))
+    if some_missing:
+        what = (
+            f"{some_missing} rows miss some of their images (e.g. {example}): OpenRLHF leaves them out with "
+            "a warning, and the prompt keeps their placeholders"
+        )
+        problems.append((WARN, what, path_fix))
+    if over_limit:
+        what = (
+            f"{over_limit} rows have more than {limit} images (data.max_images_per_prompt): vLLM refuses "
+            "such a prompt mid-run"
+        )
+        fix = "raise data.max_images_per_prompt, or drop those rows (prepare_data.py --max-images-per-prompt)"
+        problems.append((FAIL, what, fix))
+    return problems, {**counts, "images": images, "missing": images - found, "over_limit": over_limit}
+
+
+def check_dataset(source: str, flags: tuple[str, str], split: str, data, workdir: Path) -> CheckResult:
+    """One entry of a comma-separated dataset list (`path[@data_dir]`, as blending_datasets splits it):
+    where it is (relative to `workdir`), whether `datasets` reads it, its split, then row_problems on its
+    first rows (data.max_samples, at most DATA_ROW_CAP)."""
+    dataset_flag, split_flag = flags
+    name, _, data_dir = (part.strip() for part in source.partition("@"))
+    shown = f"{dataset_flag} {name}"
+    path = workdir / name
+    if not path.exists():
+        if os.path.splitext(name)[1] in DATA_FILE_BUILDERS or looks_like_path(name):
+            return CheckResult(
+                "data",
+                FAIL,
+                f"{shown}: no such file or directory" + ("" if os.path.isabs(name) else f" in {workdir}"),
+                f"write it (`python scripts/prepare_data.py` writes data/geometry3k/) or point "
+                f"{dataset_flag} at one (relative paths: from the launcher's directory, the repo root)",
+            )
+        if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
+            return CheckResult(
+                "data",
+                WARN,
+                f"{shown}: not a local path here, so a hub dataset id: not checked offline (preflight makes "
+                "no network calls); OpenRLHF downloads it at start",
+                f"convert it to local JSONL (`python scripts/prepare_data.py --dataset {name}`) and point "
+                f"{dataset_flag} at that",
+            )
+        return CheckResult("data", FAIL, f"{shown}: neither a local path nor a hub id (org/name)", "fix it")
+
+    limit = min(DATA_ROW_CAP, data.max_samples)
+    try:
+        loaded = load_local_dataset(path, data_dir or None)
+        if isinstance(loaded, dict):  # a (Iterable)DatasetDict: blending_datasets takes the split by name
+            if split not in loaded:
+                summary = f"{shown}: no split {split!r} ({split_flag}); it has {sorted(loaded)}"
+                return CheckResult("data", FAIL, summary, f"set {split_flag} to one of them")
+            loaded = loaded[split]
+        rows = list(itertools.islice(loaded, limit + 1))
+    except Exception as error:  # datasets and pyarrow raise many types for data they cannot parse
+        reason = (str(error).strip().splitlines() or [""])[0][:200]
+        return CheckResult(
+            "data",
+            FAIL,
+            f"{shown}: `datasets` cannot read it as OpenRLHF does ({type(error).__name__}: {reason})",
+            "fix or regenerate it (`python scripts/prepare_data.py`); JSONL is one JSON object per line",
+        )
+    if not rows:
+        return CheckResult(
+            "data", FAIL, f"{shown}: no rows", f"point {dataset_flag} at a dataset with prompts"
+        )
+    read = f"{len(rows)} rows"
+    if len(rows) > limit:
+        rows = rows[:limit]
+        why = "data.max_samples: the run reads no more" if limit == data.max_samples else "preflight's cap"
+        read = f"first {limit} rows ({why})"
+
+    problems, details = row_problems(rows, data, workdir)
+    if problems:
+        status = FAIL if any(problem[0] == FAIL for problem in problems) else WARN
+        summary = f"{shown}: {read}: " + "; ".join(problem[1] for problem in problems)
+        return CheckResult("data", status, summary, "; ".join(problem[2] for problem in problems), details)
+    named = " and ".join(repr(key) for key in (data.input_key, data.label_key) if key)
+    summary = f"{shown}: {read}, each with {named}"
+    if "images" in details:
+        summary += f"; {details['images']} images, every local one found, none over the limit"
+    return CheckResult("data", PASS, summary, details=details)
+
+
+def check_data(run: Run | None, workdir: Path) -> CheckResult:
+    """The run's prompt and eval datasets as OpenRLHF will read them in its Ray actors, which work in the
+    launcher's directory (LORA_SYNC_WORKDIR): preflight runs there too, and passes it as `workdir`."""
+    if run is None:
+        return CheckResult("data", NA, "needs a recipe (or --set)")
+    data, evaluation = run.args.data, run.args.eval
+    lists = [
+        (("data.prompt_dataset", "data.prompt_split"), data.prompt_dataset, data.prompt_split),
+        (("eval.dataset", "eval.split"), evaluation.dataset, evaluation.split),
+    ]
+    results = [
+        check_dataset(source, flags, split, data, workdir)
+        for flags, sources, split in lists
+        if sources
+        for source in sources.split(",")
+    ]
+    if not results:
+        return CheckResult("data", NA, "the run names no data.prompt_dataset")
+    return CheckResult(
+        "data",
+        next((s for s in (FAIL, WARN) if any(r.status == s for r in results)), PASS),
+        " | ".join(r.summary for r in results),
+        "; ".join(r.fix for r in results if r.status != PASS),
+        {"datasets": [r.details for r in results]},
     )
 
 
@@ -745,6 +970,7 @@ def run_checks(plan: Plan, env: dict | None = None) -> list[CheckResult]:
         need, reason = 5 * GIB, "adapters and logs; no periodic DeepSpeed checkpoints"
     results.append(check_disk(output_dir, need, reason))
     results.append(model_result)
+    results.append(check_data(run, Path.cwd()))
     results.append(check_packages(plan.stack or ("gpu" if gpus else "cpu")))
     results.append(memory_result)
     results.append(host_result)

@@ -127,6 +127,19 @@ def resolve_recipe_path(recipe: str | Path) -> Path:
     )
 
 
+def yaml_error_line(path: Path, error: yaml.YAMLError) -> str:
+    """One line for a recipe YAML cannot parse: the file, YAML's line and column (1-based, as editors
+    count) and YAML's own reason."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    where = f"{path}, line {mark.line + 1}, column {mark.column + 1}" if mark else str(path)
+    reason = (
+        " ".join(part for part in (getattr(error, "context", None), getattr(error, "problem", None)) if part)
+        or str(error).splitlines()[0]
+    )
+    hint = "; YAML indents with spaces, never tabs" if r"\t" in reason else ""  # YAML writes a tab as \t
+    return f"{where}: not valid YAML ({reason}){hint}"
+
+
 def load_recipe(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     """The recipe as {dotted key: value}, its `base:` recipes merged under it, in file order."""
     path = Path(path).resolve()
@@ -135,7 +148,10 @@ def load_recipe(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
         raise RecipeError(f"{path}: no such recipe file{via}", (BASE_KEY,))
     if path in _chain:
         raise RecipeError(f"{path}: `base:` loops back to itself ({' -> '.join(p.name for p in _chain)})")
-    data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    try:
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except yaml.YAMLError as error:
+        raise RecipeError(yaml_error_line(path, error)) from None
     if not isinstance(data, dict):
         raise RecipeError(f"{path}: a recipe is a YAML mapping of keys to values")
     bases = data.pop(BASE_KEY, None) or []

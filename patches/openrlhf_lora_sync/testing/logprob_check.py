@@ -12,7 +12,8 @@ its CPU attention backend does not list, Qwen3.5's linear attention in another d
 UnsupportedCheckpointError naming it before vLLM starts. A VLM directory without processor files gets
 the family's default processor (its image/video processor classes with the patch sizes of its
 vision_config, around the directory's tokenizer) when it has tokenizer files, and vLLM (which reads the
-processor from the model directory) a view of the directory with those files added.
+processor from the model directory) a view of the directory with those files added: checkpoint_processor
+and start_checkpoint_engine, the one way the tools start an engine on a user's checkpoint.
 Does not cover: generation or sampling equivalence (only teacher-forced logprobs are compared);
 processors for a directory with neither processor nor tokenizer files (verify_sync's --processor).
 
@@ -121,6 +122,43 @@ def with_processor_files(model_dir: str, processor, into: str | Path) -> str:
         if not (into / path.name).exists():
             (into / path.name).symlink_to(path)
     return str(into)
+
+
+def checkpoint_processor(model_dir: str, processor_dir: str | None = None):
+    """The processor of a user's checkpoint, None for a text model: `processor_dir`'s (e.g. the base
+    model's hub snapshot), else the directory's own, else the family's default around its tokenizer
+    (default_processor)."""
+    from transformers import AutoConfig, AutoProcessor
+
+    if not hasattr(AutoConfig.from_pretrained(model_dir), "vision_config"):
+        return None
+    if processor_dir or any((Path(model_dir) / name).is_file() for name in PROCESSOR_FILES):
+        return AutoProcessor.from_pretrained(processor_dir or model_dir)
+    return default_processor(model_dir)
+
+
+def start_checkpoint_engine(model_dir: str, dtype: str, processor=None, **options):
+    """start_engine on a user's checkpoint with `processor` (checkpoint_processor's): where the directory
+    has no processor files, vLLM starts on a temporary view of it with the processor's files added (the
+    user's directory is never written), removed when the engine is garbage-collected or at exit. The one
+    way verify_sync (plain and --fault) and bench_sync --model-dir start engines on users' checkpoints."""
+    import shutil
+    import tempfile
+    import weakref
+
+    engine_dir, view = str(model_dir), None
+    if processor is not None and not any((Path(model_dir) / name).is_file() for name in PROCESSOR_FILES):
+        view = tempfile.mkdtemp(prefix="engine-model-")
+        engine_dir = with_processor_files(engine_dir, processor, view)
+    try:
+        engine = start_engine(engine_dir, dtype, **options)
+    except BaseException:
+        if view:
+            shutil.rmtree(view, ignore_errors=True)
+        raise
+    if view:  # vLLM may read the processor files again after it started (its processor cache)
+        weakref.finalize(engine, shutil.rmtree, view, True)
+    return engine
 
 
 def start_engine(

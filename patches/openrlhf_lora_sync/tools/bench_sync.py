@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> dict:
     from openrlhf_lora_sync.plan import SyncState
     from openrlhf_lora_sync.probe import PROBE_THRESHOLD
     from openrlhf_lora_sync.sync import sync_weights
-    from openrlhf_lora_sync.testing.logprob_check import start_engine
+    from openrlhf_lora_sync.testing.logprob_check import checkpoint_processor, start_checkpoint_engine
     from openrlhf_lora_sync.testing.policies import (
         ATTENTION_AND_MLP_LINEARS,
         QV_ONLY,
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> dict:
     lora = {"dtype": "bfloat16", "r": args.rank, "lora_alpha": args.lora_alpha}
     policy = lora_policy(model_dir, ATTENTION_AND_MLP_LINEARS, seed=0, **lora)
     reference = Reference(policy, token_ids)
-    llm = start_engine(model_dir, "bfloat16", multiprocess=True)
+    llm = start_checkpoint_engine(model_dir, "bfloat16", checkpoint_processor(model_dir), multiprocess=True)
     progress("engine started")
     keep_off_engine_cpus()
     engines = CountingEngines(llm)
@@ -359,9 +359,10 @@ def counted(engines: CountingEngines, measure) -> dict:
 def adapter_row(args, model_dir: str, policy, reference: Reference, dtype: torch.dtype):
     """Adapter hot-swap into a LoRA-enabled engine: timed syncs, correctness, generation throughput."""
     from openrlhf_lora_sync.adapter_mode import AdapterSyncState, sync_adapter
-    from openrlhf_lora_sync.testing.logprob_check import start_engine
+    from openrlhf_lora_sync.testing.logprob_check import checkpoint_processor, start_checkpoint_engine
 
-    llm = start_engine(model_dir, "bfloat16", multiprocess=True, lora_rank=args.rank)
+    processor = checkpoint_processor(model_dir)
+    llm = start_checkpoint_engine(model_dir, "bfloat16", processor, multiprocess=True, lora_rank=args.rank)
     engines = CountingEngines(llm)
     state = AdapterSyncState()
     row = counted(

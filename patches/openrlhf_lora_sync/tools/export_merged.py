@@ -78,10 +78,16 @@ def base_config(base_dir: Path):
 
     if not (base_dir / "config.json").is_file():
         raise BadInputError(f"--base {base_dir} has no config.json; pass a Hugging Face checkpoint directory")
+    from openrlhf_lora_sync.weights_check import expected_shapes, weights_problem
+
     try:
-        return AutoConfig.from_pretrained(base_dir)
+        config = AutoConfig.from_pretrained(base_dir)
     except (ValueError, KeyError) as error:  # a model type this transformers does not know
         raise BadInputError(f"--base {base_dir}: {str(error).splitlines()[0]}") from None
+    unreadable = weights_problem(base_dir, expected=expected_shapes(config))
+    if unreadable:
+        raise BadInputError(f"--base {unreadable}")
+    return config
 
 
 def merged_model(base_dir: Path, adapter_dir: Path, dtype: str = "auto"):

@@ -50,7 +50,7 @@ import datasets
 from PIL import Image
 from tqdm import tqdm
 
-from openrlhf_lora_sync import REPO_ROOT, settings
+from openrlhf_lora_sync import REPO_ROOT, preflight, settings
 from openrlhf_lora_sync.recipe import RECIPES_DIR, load_recipe
 from rewards.math_answer import PROMPT_INSTRUCTIONS
 
@@ -150,9 +150,7 @@ def build_row(
     question = (example.get(columns.question) or "").replace(IMAGE_TAG, "").strip()
     if not question:
         raise SkipRow("empty_question")
-    references = example.get(columns.image)
-    references = references if isinstance(references, list) else [references]
-    references = [reference for reference in references if reference is not None]
+    references = preflight.image_references(example, columns.image)
     if not references:
         raise SkipRow("missing_image")
     if len(references) > max_images:

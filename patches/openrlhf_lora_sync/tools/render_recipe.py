@@ -40,14 +40,7 @@ def memory_report(run: Run, gpu_mem_gib: float = 24.0) -> list[str]:
         return [f"not estimated ({model}: no config.json there, nor a reference config in memory_budget.py)"]
     except ValueError as error:
         return [f"not estimated ({error})"]
-    phases = {"rollout": "rollout", "train": "train", "sync": "sync", "delta sync": "sync_delta"}
-    peaks = ", ".join(
-        f"{label} {memory_budget.gib(budget.phase(name).total)}" for label, name in phases.items()
-    )
-    failing = [name for name in ("rollout", "train", "sync") if not budget.fits(name)]
-    verdict = "fits" if not failing else f"does NOT fit ({', '.join(failing)})"
-    usable, host = memory_budget.gib(budget.usable), memory_budget.gib(budget.host_bytes)
-    return [f"{peaks} of {usable} usable; host RAM {host} GiB per node; {verdict}", *budget.problems()]
+    return [memory_budget.headline(budget), *budget.problems()]
 
 
 def main(argv: list[str] | None = None) -> int:

