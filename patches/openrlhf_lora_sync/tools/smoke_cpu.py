@@ -690,18 +690,17 @@ def trainer(model_dir: Path, smoke: SmokeRun, checkpoints: Path) -> dict:
 def build_pipeline(smoke: SmokeRun, checkpoints: Path) -> Pipeline:
     from openrlhf.models import PolicyLoss
     from openrlhf.utils.agent import SingleTurnAgentExecutor
-    from transformers import AutoProcessor
 
-    from openrlhf_lora_sync.testing.logprob_check import start_engine
+    from openrlhf_lora_sync.testing.logprob_check import checkpoint_processor, start_checkpoint_engine
     from openrlhf_lora_sync.testing.tiny_models import build_tiny_model
 
     out = smoke.output_dir
     model_dir = Path(smoke.model_dir or build_tiny_model(FAMILY, out / f"tiny-{FAMILY}", seed=smoke.seed))
-    processor = AutoProcessor.from_pretrained(model_dir)
+    processor = checkpoint_processor(str(model_dir))  # its own, or the family's default around its tokenizer
     training = trainer(model_dir, smoke, checkpoints)
     config = training["policy"].config
-    llm = start_engine(
-        str(model_dir), ENGINE_DTYPE, images_per_prompt=1, max_model_len=smoke.args.data.max_len
+    llm = start_checkpoint_engine(
+        str(model_dir), ENGINE_DTYPE, processor, images_per_prompt=1, max_model_len=smoke.args.data.max_len
     )
     rows = load_rows(smoke)
     low, high = smoke.args.actor.eps_clip_low_high
