@@ -16,11 +16,11 @@ filtering; ``extra_logs`` (batch means, floats), which OpenRLHF copies into ``Ex
 wandb: ``math_accuracy``, ``math_format``, ``math_no_answer``, ``math_parse_failure``,
 ``math_gold_parse_failure`` and ``math_verify_timeout``.
 
-Configuration (environment variables, declared in ``openrlhf_lora_sync.settings`` and read there, once per
-process, on the first ``reward_func`` call; a recipe's ``reward.*`` keys export them before training starts,
-and Ray actors inherit them when ``ray.init()`` starts the cluster; with a separately started cluster pass
-them through ``--runtime-env-json``). Loading the file only defines things: it reads no environment, imports
-no math-verify and starts no process; a bad value raises ``SettingError`` (a ValueError naming the
+Configuration (environment variables, declared in ``openrlhf_lora_sync.base.settings`` and read there, once
+per process, on the first ``reward_func`` call; a recipe's ``reward.*`` keys export them before training
+starts, and Ray actors inherit them when ``ray.init()`` starts the cluster; with a separately started cluster
+pass them through ``--runtime-env-json``). Loading the file only defines things: it reads no environment,
+imports no math-verify and starts no process; a bad value raises ``SettingError`` (a ValueError naming the
 variable) from that first call:
 
 ==========================  =======  ===========================================================
@@ -125,7 +125,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from openrlhf_lora_sync import settings
+from openrlhf_lora_sync.base import settings
 
 # The instruction appended to each question, one per settings.ANSWER_FORMATS; scripts/prepare_data.py
 # imports it so prompt and grader agree.

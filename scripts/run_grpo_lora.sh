@@ -26,7 +26,7 @@
 #     With --dry-run it stops here: nothing is started.
 #  3. `python scripts/preflight.py --recipe <the rendered recipe>` in the run's environment; a FAIL stops
 #     the run (SKIP_PREFLIGHT=1 skips it).
-#  4. exec env LORA_SYNC_*=... REWARD_*=... WANDB_MODE=... .venv/bin/python -m openrlhf_lora_sync.launch FLAGS
+#  4. exec env LORA_SYNC_*=... REWARD_*=... WANDB_MODE=... .venv/bin/python -m openrlhf_lora_sync.patch.launch FLAGS
 # Exit codes: 2 bad arguments or a bad recipe; else preflight's (1), the smoke run's or training's.
 set -euo pipefail
 

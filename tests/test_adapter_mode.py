@@ -26,11 +26,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from openrlhf_lora_sync import adapter_mode, probe
-from openrlhf_lora_sync.adapter_mode import AdapterSyncState, lora_request_for, sync_adapter
-from openrlhf_lora_sync.bucket import ALIGNMENT
-from openrlhf_lora_sync.merge import UnsupportedAdapterError, iter_effective_checkpoint_tensors, sync_units
-from openrlhf_lora_sync.sync import LocalEngines
+from openrlhf_lora_sync.sync import adapter_mode, probe
+from openrlhf_lora_sync.sync.adapter_mode import AdapterSyncState, lora_request_for, sync_adapter
+from openrlhf_lora_sync.sync.bucket import ALIGNMENT
+from openrlhf_lora_sync.sync.merge import (
+    UnsupportedAdapterError,
+    iter_effective_checkpoint_tensors,
+    sync_units,
+)
+from openrlhf_lora_sync.sync.sync import LocalEngines
+from openrlhf_lora_sync.sync.worker_extension import WeightSyncError
 from openrlhf_lora_sync.testing.logprob_check import (
     LOGPROB_TOLERANCE,
     hf_prompt_logprobs,
@@ -39,7 +44,6 @@ from openrlhf_lora_sync.testing.logprob_check import (
 )
 from openrlhf_lora_sync.testing.policies import lora_policy
 from openrlhf_lora_sync.testing.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
-from openrlhf_lora_sync.worker_extension import WeightSyncError
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -259,7 +263,7 @@ def test_rank_rounds_up_to_what_vllm_accepts():
 def adapter_mode_ray(tiny_model_dir):
     """Ray with adapter mode selected in this process and forwarded to its workers (as the launcher does)."""
     import ray
-    from openrlhf_lora_sync.launch import ray_runtime_env
+    from openrlhf_lora_sync.patch.launch import ray_runtime_env
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv("LORA_SYNC_MODE", "adapter")
@@ -311,7 +315,7 @@ def test_patched_openrlhf_engine_actor_serves_the_adapter(
 
 
 def test_mode_and_rank_settings_are_checked(monkeypatch):
-    from openrlhf_lora_sync import openrlhf_patch
+    from openrlhf_lora_sync.patch import openrlhf_patch
 
     monkeypatch.delenv("LORA_SYNC_MODE", raising=False)
     assert openrlhf_patch.sync_mode() == "merge"  # the default
@@ -319,7 +323,7 @@ def test_mode_and_rank_settings_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="expected one of merge, adapter"):
         openrlhf_patch.sync_mode()
     monkeypatch.delenv("LORA_SYNC_LORA_RANK", raising=False)
-    with pytest.raises(ValueError, match="openrlhf_lora_sync.launch"):
+    with pytest.raises(ValueError, match="openrlhf_lora_sync.patch.launch"):
         openrlhf_patch.adapter_lora_rank()
     monkeypatch.setenv("LORA_SYNC_LORA_RANK", "64")
     assert openrlhf_patch.adapter_lora_rank() == 64

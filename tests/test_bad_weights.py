@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from openrlhf_lora_sync.weights_check import expected_shapes, weights_problem
+from openrlhf_lora_sync.config.weights_check import expected_shapes, weights_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 # test_user_inputs.py's checkpoint builders (transformers' classes, published config fields only), by path.

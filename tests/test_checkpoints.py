@@ -78,7 +78,7 @@ def _strategy(zero_stage: int, ckpt_path: str = ""):
 def worker_save(model_dir: str, target: str, seed: int, block_before_publish: bool) -> None:
     """Save a seeded rank-KILL_RANK adapter to `target` through the wrapped upstream save_model."""
     from openrlhf.utils.deepspeed import DeepspeedStrategy
-    from openrlhf_lora_sync.checkpoint import atomic_save_model
+    from openrlhf_lora_sync.patch.checkpoint import atomic_save_model
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -136,7 +136,7 @@ def _zero3_policy(model_dir: str):
 def worker_train_and_save(model_dir: str, ckpt_path: str, out: str) -> None:
     from openrlhf.trainer.ray.ppo_actor import PolicyModelActor
     from openrlhf.utils.deepspeed import DeepspeedStrategy
-    from openrlhf_lora_sync import openrlhf_patch
+    from openrlhf_lora_sync.patch import openrlhf_patch
     from transformers import AutoTokenizer
 
     _init_world()
@@ -208,7 +208,7 @@ def _wait_for_line(proc: subprocess.Popen, wanted: str, log: Path) -> None:
 
 
 def _peft_lora(model_dir: Path, adapter_dir: Path) -> dict[str, torch.Tensor]:
-    from openrlhf_lora_sync.adapter_check import load_checked_adapter
+    from openrlhf_lora_sync.config.adapter_check import load_checked_adapter
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -225,7 +225,7 @@ def _staging_dirs(target: Path) -> list[Path]:
 
 
 def test_atomic_directory_replaces_on_success_and_keeps_the_target_on_error(tmp_path):
-    from openrlhf_lora_sync.checkpoint import atomic_directory
+    from openrlhf_lora_sync.patch.checkpoint import atomic_directory
 
     target = tmp_path / "adapter"
     with atomic_directory(target) as staging:
@@ -244,7 +244,7 @@ def test_atomic_directory_replaces_on_success_and_keeps_the_target_on_error(tmp_
 
 def test_subdirectories_of_the_target_survive_saves_and_a_kill_between_carry_and_swap(tmp_path):
     """ckpt.path inside ckpt.output_dir: the final adapter's save must not delete the checkpoints."""
-    from openrlhf_lora_sync.checkpoint import _carry_subdirectories, atomic_directory
+    from openrlhf_lora_sync.patch.checkpoint import _carry_subdirectories, atomic_directory
 
     target = tmp_path / "grpo-lora"
     (target / "checkpoints" / "_actor").mkdir(parents=True)
@@ -322,7 +322,7 @@ def test_resume_restores_the_adapter_and_the_peft_checkpoint_holds_it(tiny_model
 
 
 def test_base_recipe_saves_the_peft_adapter_at_its_cadence():
-    from openrlhf_lora_sync import recipe as render_recipe
+    from openrlhf_lora_sync.config import recipe as render_recipe
 
     flags = render_recipe.load_recipe(ROOT / "recipes" / "qwen3_vl-8b-4x4090.yaml")
     argv = render_recipe.render(flags, environ={}).argv

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import pytest
 import ray
-from openrlhf_lora_sync import config_checks, launch, preflight
-from openrlhf_lora_sync import recipe as render_recipe
+from openrlhf_lora_sync.config import config_checks, host_checks, preflight
+from openrlhf_lora_sync.config import recipe as render_recipe
+from openrlhf_lora_sync.patch import launch
 
-RTX_4090 = preflight.GpuInfo("NVIDIA GeForce RTX 4090", 23.99)
+RTX_4090 = host_checks.GpuInfo("NVIDIA GeForce RTX 4090", 23.99)
 SMOKE = render_recipe.RECIPES_DIR / "smoke-cpu.yaml"
 
 
@@ -198,7 +199,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def context(tiny_model_dir):
-    denied = preflight.check_pidfd_getfd({}, force_denied=True)
+    denied = host_checks.check_pidfd_getfd({}, force_denied=True)
     assert denied.details["errno"] == "EPERM", denied  # really denied, not simulated
     return {
         "model": tiny_model_dir("qwen2_5_vl"),
@@ -270,7 +271,7 @@ def test_launcher_removes_the_runs_shm_files_however_training_ends(context, monk
     import signal
 
     import torch
-    from openrlhf_lora_sync import transport
+    from openrlhf_lora_sync.sync import transport
 
     monkeypatch.setenv(transport.RUN_ID_ENV, "test-run-cleanup")
     # The launcher sets these in its own environment; restored after the test.

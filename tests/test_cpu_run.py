@@ -1,11 +1,11 @@
 """The main job without a GPU: `bash scripts/run_grpo_lora.sh` runs OpenRLHF's real train_ppo_ray on CPU.
 
 Covers: the default CPU job (recipes/learn-cpu.yaml with its control, tools/cpu_run.py -> render_recipe
---exec -> openrlhf_lora_sync.launch -> train_ppo_ray's Ray actors) learning: the synced reward rises and ends
-clearly above the stale-engine control, the rollout parity (engine vs trainer log-probs of the sampled
-tokens) is near zero when synced and grows on the stale engine; the CPU stand-ins line, full then delta
-syncs, skipped syncs in the control, the adapter saved, summary.json / reward.png / the metrics file; a CPU
-recipe on a Qwen2.5-VL checkpoint built elsewhere (transformers' save_pretrained with its processor
+--exec -> openrlhf_lora_sync.patch.launch -> train_ppo_ray's Ray actors) learning: the synced reward rises
+and ends clearly above the stale-engine control, the rollout parity (engine vs trainer log-probs of the
+sampled tokens) is near zero when synced and grows on the stale engine; the CPU stand-ins line, full then
+delta syncs, skipped syncs in the control, the adapter saved, summary.json / reward.png / the metrics file; a
+CPU recipe on a Qwen2.5-VL checkpoint built elsewhere (transformers' save_pretrained with its processor
 files), used as given; a missing model path refused in one line; the recipe's own tiny path built.
 Does not cover: GPUs; faults in the real loop (test_real_trainer_faults.py); two Ray nodes
 (test_two_node.py).

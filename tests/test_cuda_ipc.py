@@ -13,7 +13,7 @@ import multiprocessing as mp
 
 import pytest
 import torch
-from openrlhf_lora_sync.bucket import TensorMeta
+from openrlhf_lora_sync.sync.bucket import TensorMeta
 
 
 def _tensors() -> list[tuple[str, torch.Tensor]]:
@@ -26,8 +26,8 @@ def _tensors() -> list[tuple[str, torch.Tensor]]:
 
 
 def _receiver(queue_in, queue_out) -> None:
-    from openrlhf_lora_sync.bucket import unpack
-    from openrlhf_lora_sync.transport import open_cuda_ipc_bucket
+    from openrlhf_lora_sync.sync.bucket import unpack
+    from openrlhf_lora_sync.sync.transport import open_cuda_ipc_bucket
 
     handle, metas = queue_in.get()
     buffer = open_cuda_ipc_bucket(handle, torch.cuda.current_device())
@@ -38,7 +38,7 @@ def _sender(alloc_conf: str, result) -> None:
     import os
 
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = alloc_conf
-    from openrlhf_lora_sync.transport import _expandable_segments_enabled, cuda_ipc_bucket
+    from openrlhf_lora_sync.sync.transport import _expandable_segments_enabled, cuda_ipc_bucket
 
     context = mp.get_context("spawn")
     to_receiver, from_receiver = context.Queue(), context.Queue()

@@ -10,8 +10,9 @@ Does not cover: what each tool does with a good run (their own tests).
 from __future__ import annotations
 
 import pytest
-from openrlhf_lora_sync import launch, memory_budget, preflight
-from openrlhf_lora_sync import recipe as rr
+from openrlhf_lora_sync.config import memory_budget, preflight
+from openrlhf_lora_sync.config import recipe as rr
+from openrlhf_lora_sync.patch import launch
 from openrlhf_lora_sync.tools import cpu_run, render_recipe, smoke_cpu
 
 RECIPE = "qwen2_5_vl-7b-4x4090"  # a bare name, as users type it

@@ -18,13 +18,13 @@ import contextlib
 
 import pytest
 import torch
-from openrlhf_lora_sync import probe, transport
-from openrlhf_lora_sync.merge import iter_effective_checkpoint_tensors, sync_units
-from openrlhf_lora_sync.plan import SyncState
-from openrlhf_lora_sync.sync import LocalEngines, sync_weights
+from openrlhf_lora_sync.sync import probe, transport
+from openrlhf_lora_sync.sync.merge import iter_effective_checkpoint_tensors, sync_units
+from openrlhf_lora_sync.sync.plan import SyncState
+from openrlhf_lora_sync.sync.sync import LocalEngines, sync_weights
+from openrlhf_lora_sync.sync.worker_extension import WeightSyncError
 from openrlhf_lora_sync.testing.policies import ATTENTION_AND_MLP_LINEARS, QV_ONLY, lora_policy
 from openrlhf_lora_sync.testing.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
-from openrlhf_lora_sync.worker_extension import WeightSyncError
 
 FAMILY = "qwen3"
 SMALL_BUCKET = 64 << 10  # many buckets even on tiny models, so one can be lost
@@ -204,7 +204,7 @@ def test_patched_sync_probe_logs_metrics_and_stops_on_a_stale_engine(setup, trai
     on in-process engines: the probe's numbers reach the logged metrics, and a stale engine raises."""
     from types import SimpleNamespace
 
-    from openrlhf_lora_sync.openrlhf_patch import _probe_after_sync
+    from openrlhf_lora_sync.patch.openrlhf_patch import _probe_after_sync
 
     policy, engines, state, dtype = setup()
     trainer = SimpleNamespace(

@@ -19,7 +19,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from openrlhf_lora_sync import launch
+from openrlhf_lora_sync.patch import launch
 
 IMAGE = "data/images/x.png"
 
@@ -72,7 +72,7 @@ def test_declared_resources_cover_every_group():
 WORKERS = r"""
 import json, os, sys
 import ray
-from openrlhf_lora_sync.launch import ray_runtime_env
+from openrlhf_lora_sync.patch.launch import ray_runtime_env
 
 driver_dir, image = sys.argv[1], sys.argv[2]
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from openrlhf_lora_sync import memory_budget as mb
-from openrlhf_lora_sync import recipe
+from openrlhf_lora_sync.config import memory_budget as mb
+from openrlhf_lora_sync.config import model_inventory as mi
+from openrlhf_lora_sync.config import recipe
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
 GIB = mb.GIB
@@ -77,7 +78,7 @@ CONFIG_CASES = {
     "qwen3_5_text (text only)": {"model_type": "qwen3_5_text", **TINY_TEXT, **TINY_HEADS, **TINY_LINEAR},
     "qwen3 text only, bias": {"model_type": "qwen3", **TINY_TEXT, **TINY_HEADS, "attention_bias": True},
     "qwen3 text only, tied": {"model_type": "qwen3", **TINY_TEXT, **TINY_HEADS, "tie_word_embeddings": True},
-    **{name: config for name, config in mb.REFERENCE_CONFIGS.items()},
+    **{name: config for name, config in mi.REFERENCE_CONFIGS.items()},
 }
 
 
@@ -104,37 +105,37 @@ def part_of(name: str) -> str:
 def test_parameter_counts_by_part_equal_transformers(case):
     config = CONFIG_CASES[case]
     model = build_on_meta(config)
-    real = dict.fromkeys(mb.PARTS, 0)
+    real = dict.fromkeys(mi.PARTS, 0)
     for name, parameter in model.named_parameters():
         real[part_of(name)] += parameter.numel()
-    assert mb.model_spec(config).parameters_by_part() == real
-    assert mb.model_spec(config).total_parameters == sum(p.numel() for p in model.parameters())
+    assert mi.model_spec(config).parameters_by_part() == real
+    assert mi.model_spec(config).total_parameters == sum(p.numel() for p in model.parameters())
 
 
 def test_every_parameter_of_a_real_model_has_a_module_in_the_inventory():
     config = CONFIG_CASES["qwen3_vl deepstack"]
-    inventory = {module.name for module in mb.model_spec(config).modules}
+    inventory = {module.name for module in mi.model_spec(config).modules}
     for name, _ in build_on_meta(config).named_parameters():
         module = name.rsplit(".", 1)[0]
         assert module in inventory, name
 
 
 def test_inventory_knows_layer_types_stacking_and_tied_embeddings():
-    spec = mb.model_spec(CONFIG_CASES["qwen3_5 explicit layer_types, tied"])
+    spec = mi.model_spec(CONFIG_CASES["qwen3_5 explicit layer_types, tied"])
     kinds = {(m.name.rpartition(".")[2], m.layer, m.layer_type) for m in spec.modules if m.linear}
     assert ("q_proj", 0, "full_attention") in kinds and ("q_proj", 2, "full_attention") in kinds
     assert ("in_proj_qkv", 1, "linear_attention") in kinds
     assert not any(name == "q_proj" for name, layer, _ in kinds if layer == 1)  # layer 1: linear attention
     assert (spec.full_attention_layers, spec.linear_attention_layers) == (2, 1)
     stacked = {m.name.rpartition(".")[2]: m.stacked for m in spec.modules if m.stacked}
-    assert stacked == {key: value for key, value in mb.VLLM_STACKED.items() if key in stacked}
-    assert set(stacked) == set(mb.VLLM_STACKED)  # every stacked family is there in Qwen3.5
+    assert stacked == {key: value for key, value in mi.VLLM_STACKED.items() if key in stacked}
+    assert set(stacked) == set(mi.VLLM_STACKED)  # every stacked family is there in Qwen3.5
     # Tied: lm_head holds nothing of its own; the shared weight is counted once, under embed.
     assert spec.parameters_by_part()["lm_head"] == 0 and spec.parameters_by_part()["embed"] == 320 * 64
 
 
 def test_reference_sizes_are_the_published_ones():
-    total = {name: mb.model_spec(config).total_parameters for name, config in mb.REFERENCE_CONFIGS.items()}
+    total = {name: mi.model_spec(config).total_parameters for name, config in mi.REFERENCE_CONFIGS.items()}
     assert total["Qwen/Qwen2.5-VL-7B-Instruct"] == 8_292_166_656
     assert total["Qwen/Qwen3-VL-8B-Instruct"] == 8_767_123_696
     assert total["Qwen/Qwen2.5-VL-3B-Instruct"] == 3_754_622_976
@@ -163,11 +164,11 @@ def test_lora_parameter_counts_equal_peft(case, targets):
     with torch.device("meta"):
         peft_model = get_peft_model(model, LoraConfig(r=8, target_modules=targets))
     trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    assert mb.lora_parameters(
-        mb.model_spec(config), 8, tuple(targets) if isinstance(targets, list) else targets
+    assert mi.lora_parameters(
+        mi.model_spec(config), 8, tuple(targets) if isinstance(targets, list) else targets
     ) == (trainable)
     if isinstance(targets, list):  # the modules peft wrapped, by name: those the sync merges
-        wrapped = {module.name for module in mb.lora_modules(mb.model_spec(config), 8, tuple(targets))}
+        wrapped = {module.name for module in mi.lora_modules(mi.model_spec(config), 8, tuple(targets))}
         assert wrapped == {
             name.removeprefix("base_model.model.").rsplit(".lora_A", 1)[0]
             for name, _ in peft_model.named_parameters()
@@ -176,10 +177,10 @@ def test_lora_parameter_counts_equal_peft(case, targets):
 
 
 def test_language_only_lora_leaves_the_vision_tower_alone():
-    spec = mb.model_spec(mb.REFERENCE_CONFIGS["Qwen/Qwen3.5-27B"])
-    parts = {module.part for module in mb.lora_modules(spec, 64, mb.LANGUAGE_ONLY_LORA)}
+    spec = mi.model_spec(mi.REFERENCE_CONFIGS["Qwen/Qwen3.5-27B"])
+    parts = {module.part for module in mi.lora_modules(spec, 64, mb.LANGUAGE_ONLY_LORA)}
     assert parts == {"layers"}
-    assert {module.part for module in mb.lora_modules(spec, 64, "all-linear")} == {
+    assert {module.part for module in mi.lora_modules(spec, 64, "all-linear")} == {
         "vision",
         "merger",
         "layers",
@@ -188,7 +189,7 @@ def test_language_only_lora_leaves_the_vision_tower_alone():
 
 @pytest.fixture(scope="module")
 def spec_27b():
-    return mb.model_spec(mb.REFERENCE_CONFIGS["Qwen/Qwen3.5-27B"])
+    return mi.model_spec(mi.REFERENCE_CONFIGS["Qwen/Qwen3.5-27B"])
 
 
 LEAN_AT_08 = replace(mb.LEAN, gpu_memory_utilization=0.8)
@@ -204,7 +205,7 @@ def test_kv_cache_counts_full_attention_layers_and_linear_state(spec_27b):
     assert per_token == 16 * 2 * 1 * 256 * 2
     # 48 Gated DeltaNet layers: 48/4 value heads x 128 x 128 fp32 state + the conv state.
     assert state == 48 * (12 * 128 * 128 * 4 + (2 * 16 * 128 + 48 * 128) / 4 * 3 * 2)
-    qwen25 = mb.model_spec(mb.REFERENCE_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"])
+    qwen25 = mi.model_spec(mi.REFERENCE_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"])
     assert mb._vllm_kv(qwen25, LEAN_AT_08) == (28 * 2 * 1 * 128 * 2, 0)
 
 
@@ -317,7 +318,7 @@ def test_sync_holds_both_copies_of_the_weights_plus_transients(spec_27b):
 
 
 def test_separate_vllm_gpus_have_their_own_role():
-    spec = mb.model_spec(mb.REFERENCE_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"])
+    spec = mi.model_spec(mi.REFERENCE_CONFIGS["Qwen/Qwen2.5-VL-7B-Instruct"])
     settings = replace(LEAN_AT_08, colocate=False, vllm_tp=2, vllm_engines=1, vllm_sleep_level=0)
     budget = mb.estimate(spec, settings)
     assert settings.trainer_gpus == 2
@@ -355,7 +356,7 @@ def test_stacked_groups_are_vllms_packed_modules():
         for part in parts
         if part != fused  # "qkv": ["qkv"], the vision tower's own fused tensor
     }
-    assert stacked == mb.VLLM_STACKED
+    assert stacked == mi.VLLM_STACKED
 
 
 # What OpenRLHF's own checks need besides the user's flags: GRPO groups, a reward, the colocated
@@ -483,7 +484,7 @@ def has_model_config(path: Path) -> bool:
     model = recipe.load_recipe(path).get("actor.model_name_or_path")
     if not model or path.stem.endswith("-cpu"):
         return False
-    return model in mb.REFERENCE_CONFIGS or (ROOT / model / "config.json").is_file()
+    return model in mi.REFERENCE_CONFIGS or (ROOT / model / "config.json").is_file()
 
 
 MEMORY_PREFIX = recipe.MEMORY_LINE_PREFIX

@@ -100,10 +100,10 @@ def _lora_state(module) -> dict[str, torch.Tensor]:
 
 def _one_run(model_dir: str, llm, pinned: set, offload: bool) -> dict:
     from openrlhf.utils.deepspeed.deepspeed_utils import offload_deepspeed_states, reload_deepspeed_states
-    from openrlhf_lora_sync import offload as offload_module
-    from openrlhf_lora_sync import probe
-    from openrlhf_lora_sync.plan import SyncState
-    from openrlhf_lora_sync.sync import LocalEngines, sync_weights
+    from openrlhf_lora_sync.patch import offload as offload_module
+    from openrlhf_lora_sync.sync import probe
+    from openrlhf_lora_sync.sync.plan import SyncState
+    from openrlhf_lora_sync.sync.sync import LocalEngines, sync_weights
     from openrlhf_lora_sync.testing import cpu_deepspeed
     from openrlhf_lora_sync.testing.logprob_check import vllm_prompt_logprobs
 
@@ -162,7 +162,8 @@ def _one_run(model_dir: str, llm, pinned: set, offload: bool) -> dict:
 
 
 def run_worker(model_dir: str, out: str) -> None:
-    from openrlhf_lora_sync import openrlhf_patch, probe
+    from openrlhf_lora_sync.patch import openrlhf_patch
+    from openrlhf_lora_sync.sync import probe
     from openrlhf_lora_sync.testing import cpu_deepspeed
     from openrlhf_lora_sync.testing.logprob_check import start_engine, vllm_prompt_logprobs
 
@@ -237,7 +238,7 @@ def test_offload_puts_the_base_partitions_in_pinned_host_memory(runs):
 
 @pytest.mark.slow
 def test_syncs_from_the_offloaded_trainer_equal_the_resident_one(runs):
-    from openrlhf_lora_sync.probe import PROBE_THRESHOLD
+    from openrlhf_lora_sync.sync.probe import PROBE_THRESHOLD
 
     offloaded, resident = runs["offload"], runs["resident"]
     assert all(torch.equal(offloaded["initial_lora"][n], t) for n, t in resident["initial_lora"].items())

@@ -15,7 +15,7 @@ import inspect
 from importlib.metadata import version
 
 import pytest
-from openrlhf_lora_sync.pins import load_pins
+from openrlhf_lora_sync.base.pins import load_pins
 
 # symbol path -> its parameters (name, default or inspect.Parameter.empty) as the patch relies on them
 EXPECTED_SIGNATURES = {

@@ -17,8 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 from openrlhf.trainer.ray import ppo_actor, vllm_engine
-from openrlhf_lora_sync import openrlhf_patch, pins
-from openrlhf_lora_sync.launch import ray_runtime_env
+from openrlhf_lora_sync.base import pins
+from openrlhf_lora_sync.patch import openrlhf_patch
+from openrlhf_lora_sync.patch.launch import ray_runtime_env
 from openrlhf_lora_sync.testing.logprob_check import LOGPROB_TOLERANCE
 
 
@@ -100,7 +101,7 @@ def engine_actor(ray_cluster, tiny_model_dir, rollout_actor):
 def test_patched_broadcast_to_vllm_syncs_a_real_engine_actor(
     colocated, transport, engine_actor, tiny_model_dir, rollout_actor, monkeypatch
 ):
-    from openrlhf_lora_sync.transport import BroadcastTransport
+    from openrlhf_lora_sync.sync.transport import BroadcastTransport
 
     # auto picks shm for an engine on the trainer's Ray node without CUDA (this host): ask for broadcast.
     monkeypatch.setenv("LORA_SYNC_TRANSPORT", "auto" if transport == "shm" else transport)
@@ -129,7 +130,7 @@ def test_patched_broadcast_to_vllm_syncs_a_real_engine_actor(
 
 
 def test_trainer_refuses_dora_when_built(tiny_model_dir):
-    from openrlhf_lora_sync.merge import UnsupportedAdapterError
+    from openrlhf_lora_sync.sync.merge import UnsupportedAdapterError
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -146,7 +147,7 @@ def test_trainer_refuses_dora_when_built(tiny_model_dir):
 
 
 def test_training_status_carries_the_last_sync_stats():
-    from openrlhf_lora_sync.sync import SyncStats
+    from openrlhf_lora_sync.sync.sync import SyncStats
 
     def upstream_ppo_train(self, kl_ctl):
         return {"policy_loss": 0.5}

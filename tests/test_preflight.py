@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from openrlhf_lora_sync import memory_budget, preflight
-from openrlhf_lora_sync import recipe as render_recipe
+from openrlhf_lora_sync.config import host_checks, memory_budget, model_inventory, preflight
+from openrlhf_lora_sync.config import recipe as render_recipe
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parent.parent
-RTX_4090 = preflight.GpuInfo("NVIDIA GeForce RTX 4090", 23.99)
-H100 = preflight.GpuInfo("NVIDIA H100 80GB HBM3", 79.1)
+RTX_4090 = host_checks.GpuInfo("NVIDIA GeForce RTX 4090", 23.99)
+H100 = host_checks.GpuInfo("NVIDIA H100 80GB HBM3", 79.1)
 # The user's flags, plus what OpenRLHF's own checks need to accept them: GRPO groups, a reward, and the
 # KL reference on the actor's 4 GPUs (upstream train() asserts it; its default is 8).
 USER_27B_FLAGS = {
@@ -51,16 +51,16 @@ def user_27b_run():
     ],
 )
 def test_gpus(gpus, need_gpus, need_gib, status):
-    result = preflight.check_gpus(gpus, "test", need_gpus, need_gib)
+    result = host_checks.check_gpus(gpus, "test", need_gpus, need_gib)
     assert result.status == status
     assert result.status in (preflight.PASS, preflight.NA) or result.fix
 
 
 def test_no_gpu_here_is_reported_with_the_reason():
-    gpus, source = preflight.detect_gpus()
+    gpus, source = host_checks.detect_gpus()
     if gpus:
         pytest.skip("this machine has a GPU")
-    result = preflight.check_gpus(gpus, source, None, None)
+    result = host_checks.check_gpus(gpus, source, None, None)
     assert result.status == preflight.NA and "no CUDA GPU" in result.summary and source in result.summary
 
 
@@ -71,10 +71,10 @@ def test_gpus_from_nvidia_smi_when_torch_sees_none(tmp_path, monkeypatch):
     )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    gpus, source = preflight.detect_gpus()
+    gpus, source = host_checks.detect_gpus()
     if source == "torch.cuda":
         pytest.skip("torch sees a real GPU here")
-    assert gpus == [preflight.GpuInfo("NVIDIA GeForce RTX 4090", 24564 / 1024)] * 2
+    assert gpus == [host_checks.GpuInfo("NVIDIA GeForce RTX 4090", 24564 / 1024)] * 2
     assert source.startswith("nvidia-smi")
 
 
@@ -89,7 +89,7 @@ def test_gpus_from_nvidia_smi_when_torch_sees_none(tmp_path, monkeypatch):
     ],
 )
 def test_nccl_p2p(gpus, env, status):
-    result = preflight.check_nccl_p2p(gpus, env)
+    result = host_checks.check_nccl_p2p(gpus, env)
     assert result.status == status
     if status == preflight.WARN:
         assert "NCCL_P2P_DISABLE=1" in result.fix
@@ -109,7 +109,7 @@ def test_ptrace_scope(tmp_path, content, status):
     path = tmp_path / "ptrace_scope"
     if content is not None:
         path.write_text(content + "\n")
-    result = preflight.check_ptrace_scope(path)
+    result = host_checks.check_ptrace_scope(path)
     assert result.status == status
     if status in (preflight.WARN, preflight.FAIL):
         assert f"ptrace_scope={content}" in result.summary
@@ -127,15 +127,15 @@ def test_ptrace_scope(tmp_path, content, status):
 def test_cap_sys_ptrace(tmp_path, capeff, status):
     status_file = tmp_path / "status"
     status_file.write_text(f"Name:\tpython\nCapInh:\t0000000000000000\nCapEff:\t{capeff}\n")
-    result = preflight.check_cap_sys_ptrace(status_file)
+    result = host_checks.check_cap_sys_ptrace(status_file)
     assert result.status == status
     if status == preflight.WARN:
         assert "SYS_PTRACE" in result.fix
 
 
 def test_pidfd_getfd_probe_is_real_and_consistent():
-    probe = preflight.probe_pidfd_getfd()
-    result = preflight.check_pidfd_getfd({})
+    probe = host_checks.probe_pidfd_getfd()
+    result = host_checks.check_pidfd_getfd({})
     assert probe.ok == (result.status == preflight.PASS)
     assert result.details["errno"] == probe.errno_name
     if not probe.ok:
@@ -152,7 +152,7 @@ def test_pidfd_getfd_probe_is_real_and_consistent():
     ],
 )
 def test_denied_pidfd_getfd_names_the_fix(env, status):
-    result = preflight.check_pidfd_getfd(env, force_denied=True)
+    result = host_checks.check_pidfd_getfd(env, force_denied=True)
     assert result.details == {"errno": "EPERM", "stage": "pidfd_getfd", "forced": True}
     assert result.status == status
     assert "EPERM" in result.summary
@@ -160,7 +160,7 @@ def test_denied_pidfd_getfd_names_the_fix(env, status):
 
 
 def test_denial_can_be_forced_through_the_environment():
-    result = preflight.check_pidfd_getfd({preflight.FORCE_DENIED_ENV: "1"})
+    result = host_checks.check_pidfd_getfd({host_checks.FORCE_DENIED_ENV: "1"})
     assert result.details["errno"] == "EPERM" and result.details["forced"]
 
 
@@ -184,8 +184,8 @@ def test_denial_can_be_forced_through_the_environment():
     ],
 )
 def test_alloc_conf(env, status, expandable):
-    assert preflight.expandable_segments(env)[0] == expandable
-    assert preflight.check_alloc_conf(env).status == status
+    assert host_checks.expandable_segments(env)[0] == expandable
+    assert host_checks.check_alloc_conf(env).status == status
 
 
 class FakeStatvfs:
@@ -204,8 +204,8 @@ class FakeStatvfs:
 def test_dev_shm(tmp_path, monkeypatch, size, free, ram, status):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal:       {ram // 1024} kB\nMemFree:        1 kB\n")
-    monkeypatch.setattr(preflight.os, "statvfs", lambda path: FakeStatvfs(size, free))
-    result = preflight.check_dev_shm(Path("/dev/shm"), meminfo)
+    monkeypatch.setattr(host_checks.os, "statvfs", lambda path: FakeStatvfs(size, free))
+    result = host_checks.check_dev_shm(Path("/dev/shm"), meminfo)
     assert result.status == status
     if status != preflight.PASS:
         assert "ipc: host" in result.fix
@@ -226,12 +226,12 @@ def test_wandb(tmp_path, env, flags, netrc, status):
     if netrc is not None:
         (tmp_path / ".netrc").write_text(netrc)
         (tmp_path / ".netrc").chmod(0o600)
-    assert preflight.check_wandb(env, flags, home=tmp_path).status == status
+    assert host_checks.check_wandb(env, flags, home=tmp_path).status == status
 
 
 def test_disk(tmp_path):
-    assert preflight.check_disk(tmp_path / "not" / "yet", 1, "test").status == preflight.PASS
-    result = preflight.check_disk(tmp_path, 2**60, "test")
+    assert host_checks.check_disk(tmp_path / "not" / "yet", 1, "test").status == preflight.PASS
+    result = host_checks.check_disk(tmp_path, 2**60, "test")
     assert result.status == preflight.FAIL and "ckpt" in result.fix
 
 
@@ -239,7 +239,7 @@ def test_disk(tmp_path):
 def hub_cache(tmp_path):
     snapshot = tmp_path / "hub" / "models--Qwen--Qwen3.5-9B" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text(json.dumps(memory_budget.REFERENCE_CONFIGS["Qwen/Qwen3.5-9B"]))
+    (snapshot / "config.json").write_text(json.dumps(model_inventory.REFERENCE_CONFIGS["Qwen/Qwen3.5-9B"]))
     return tmp_path / "hub"
 
 
@@ -420,7 +420,7 @@ def test_data_without_a_recipe_or_a_dataset_is_not_checked():
 
 
 def test_packages_match_the_pins_here():
-    result = preflight.check_packages("cpu")
+    result = host_checks.check_packages("cpu")
     assert result.status == preflight.PASS, result.summary
 
 
@@ -428,13 +428,13 @@ def test_packages_mismatch_names_the_fix(tmp_path):
     fake_python = tmp_path / "python"
     fake_python.write_text("#!/bin/sh\necho 'torch: installed 2.0.0, pinned 2.13.0'\nexit 1\n")
     fake_python.chmod(0o755)
-    result = preflight.check_packages("gpu", python=str(fake_python))
+    result = host_checks.check_packages("gpu", python=str(fake_python))
     assert result.status == preflight.FAIL
     assert "torch: installed 2.0.0" in result.summary and result.fix == "bash scripts/setup_env.sh --gpu"
 
 
 def test_memory_fails_for_the_users_27b_with_the_knob():
-    spec = memory_budget.model_spec(memory_budget.REFERENCE_CONFIGS["Qwen/Qwen3.5-27B"])
+    spec = model_inventory.model_spec(model_inventory.REFERENCE_CONFIGS["Qwen/Qwen3.5-27B"])
     budget = memory_budget.estimate(spec, memory_budget.shape_from_run(user_27b_run()), "27B")
     result = preflight.check_memory(budget, spec)
     assert result.status == preflight.FAIL
@@ -456,7 +456,7 @@ def recipe_27b(*overrides: str) -> render_recipe.Run:
 
 
 def host_check(tmp_path: Path, run: render_recipe.Run, available_gib: float) -> preflight.CheckResult:
-    spec = memory_budget.model_spec(memory_budget.REFERENCE_CONFIGS[run.args.actor.model_name_or_path])
+    spec = model_inventory.model_spec(model_inventory.REFERENCE_CONFIGS[run.args.actor.model_name_or_path])
     budget = memory_budget.estimate(spec, memory_budget.shape_from_run(run), "27B")
     return preflight.check_host_memory(budget, spec, fake_meminfo(tmp_path, available_gib))
 
@@ -495,7 +495,7 @@ def test_the_27b_recipe_passes_preflight_on_4_rtx_4090s_with_enough_host_ram(tmp
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + "echo 'NVIDIA GeForce RTX 4090, 24564'\n" * 4)
     (bin_dir / "nvidia-smi").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    if preflight.detect_gpus()[1] == "torch.cuda":
+    if host_checks.detect_gpus()[1] == "torch.cuda":
         pytest.skip("torch sees a real GPU here")
     monkeypatch.setattr(
         preflight, "check_lora_config", lambda *args: preflight.CheckResult("lora_config", preflight.NA, "")
@@ -533,7 +533,7 @@ def test_cli_reports_every_check_and_fails_on_a_denied_probe_with_expandable_seg
         "--json",
         "--stack",
         "cpu",
-        env={preflight.FORCE_DENIED_ENV: "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+        env={host_checks.FORCE_DENIED_ENV: "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
     )
     results = {r["name"]: r for r in map(json.loads, completed.stdout.splitlines())}
     assert set(results) == {

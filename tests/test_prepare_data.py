@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import datasets
 import pytest
-from openrlhf_lora_sync import settings
+from openrlhf_lora_sync.base import settings
 from openrlhf_lora_sync.tools import prepare_data
 from PIL import Image, ImageDraw
 
@@ -249,7 +249,7 @@ def test_rows_over_the_image_limit_are_skipped_and_counted(
 
 
 def test_image_limit_defaults_to_the_recipes_value(tmp_path, monkeypatch):
-    from openrlhf_lora_sync.recipe import load_recipe
+    from openrlhf_lora_sync.config.recipe import load_recipe
 
     default = prepare_data.parse_args([]).max_images_per_prompt
     recipes = sorted((REPO_ROOT / "recipes").glob("*.yaml"))
@@ -263,7 +263,7 @@ def test_image_limit_defaults_to_the_recipes_value(tmp_path, monkeypatch):
 
 
 def test_answer_format_and_output_defaults_are_the_settings_and_the_recipes(capsys):
-    from openrlhf_lora_sync.recipe import load_recipe
+    from openrlhf_lora_sync.config.recipe import load_recipe
 
     args = prepare_data.parse_args([])
     assert args.answer_format == settings.get("reward.answer_format").default

@@ -25,9 +25,10 @@ import sys
 
 import pytest
 import torch
-from openrlhf_lora_sync import openrlhf_patch, worker_extension
-from openrlhf_lora_sync.merge import iter_effective_checkpoint_tensors, sync_units
-from openrlhf_lora_sync.sync import LocalEngines
+from openrlhf_lora_sync.patch import openrlhf_patch
+from openrlhf_lora_sync.sync import worker_extension
+from openrlhf_lora_sync.sync.merge import iter_effective_checkpoint_tensors, sync_units
+from openrlhf_lora_sync.sync.sync import LocalEngines
 from openrlhf_lora_sync.testing.policies import lora_policy, nudge_adapters
 
 FAMILY = "qwen3"  # the smallest tiny model
@@ -129,7 +130,7 @@ def test_a_full_sync_missing_a_layer_still_raises_and_warns_about_it(tiny_model_
 
 ENGINE_RUN = """
 import sys
-from openrlhf_lora_sync import quiet_exit
+from openrlhf_lora_sync.testing import quiet_exit
 if sys.argv[2] == "on":
     quiet_exit.silence_nanobind_leak_report()
 else:  # the control: whatever calls the switch (imported after this) finds it gone

@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from openrlhf_lora_sync.pins import load_pins, load_table
+from openrlhf_lora_sync.base.pins import load_pins, load_table
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -27,7 +27,7 @@ def test_pin_table_matches_versions_toml():
 
 
 def test_recipe_memory_table_is_the_estimators():
-    from openrlhf_lora_sync.recipe import load_run
+    from openrlhf_lora_sync.config.recipe import load_run
     from openrlhf_lora_sync.tools.render_recipe import memory_report
 
     # The CPU recipes (smoke-cpu, learn-cpu) use no GPU, and their tiny model exists only once a run built it.

@@ -1,5 +1,5 @@
 """Faults in the real loop (issue #20): OpenRLHF's own train_ppo_ray on CPU, started as a user starts it
-(`scripts/render_recipe.py learn-cpu KEY=VALUE ... --exec` -> `python -m openrlhf_lora_sync.launch`).
+(`scripts/render_recipe.py learn-cpu KEY=VALUE ... --exec` -> `python -m openrlhf_lora_sync.patch.launch`).
 
 Covers:
 - the vLLM engine actor (Ray's `ray::RolloutRayActor` process) SIGKILLed after the first weight sync: the
@@ -222,7 +222,7 @@ def _checkpoint_saved(ckpt: Path, step: int) -> bool:
 
 
 def test_trainer_killed_after_save_resumes_with_the_saved_adapter(tmp_path, tiny_model_dir, runs):
-    from openrlhf_lora_sync.checkpoint import saved_adapter_digest
+    from openrlhf_lora_sync.patch.checkpoint import saved_adapter_digest
 
     model = tiny_model_dir("qwen2_5_vl")
     out = tmp_path / "out"

@@ -1,4 +1,4 @@
-"""Recipes (recipes/*.yaml), the recipe path (openrlhf_lora_sync.recipe) and run_grpo_lora.sh --dry-run.
+"""Recipes (recipes/*.yaml), the recipe path (config/recipe.py) and run_grpo_lora.sh --dry-run.
 
 Covers: every recipe passes OpenRLHF 0.11.2's own train_ppo_ray parser and post-parse checks; its header's
 memory line is memory_budget.py's estimate; its LoRA targets, matched by peft's own rule against
@@ -19,8 +19,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from openrlhf_lora_sync import config_checks, memory_budget
-from openrlhf_lora_sync import recipe as rr
+from openrlhf_lora_sync.config import config_checks, model_inventory
+from openrlhf_lora_sync.config import recipe as rr
 from openrlhf_lora_sync.testing.tiny_models import FAMILIES, build_config
 from openrlhf_lora_sync.tools import render_recipe
 from peft import LoraConfig
@@ -93,15 +93,15 @@ def test_recipe_header_states_hardware_memory_and_what_was_measured(recipe):
     assert any("GPU" in line for line in header)
     assert any("Measured" in line or "Nothing measured" in line for line in header)
     model = rr.load_recipe(recipe)["actor.model_name_or_path"]
-    if model in memory_budget.REFERENCE_CONFIGS:
+    if model in model_inventory.REFERENCE_CONFIGS:
         regenerate = f"python scripts/render_recipe.py {recipe.name} --dry-run prints the current line"
         assert memory[0] == rr.MEMORY_LINE_PREFIX + memory_headline(recipe.name), regenerate
 
 
 def model_config(flags: dict) -> dict:
     model = flags["actor.model_name_or_path"]
-    if model in memory_budget.REFERENCE_CONFIGS:
-        return memory_budget.REFERENCE_CONFIGS[model]
+    if model in model_inventory.REFERENCE_CONFIGS:
+        return model_inventory.REFERENCE_CONFIGS[model]
     family = model.rsplit("tiny-", 1)[1]  # the smoke recipe's tiny checkpoint, built on the fly
     return build_config(FAMILIES[family]).to_dict()
 
@@ -185,7 +185,7 @@ def run_script(tmp_path: Path, *args: str, gpu: bool | None = None) -> subproces
 def test_run_script_dry_run_prints_the_launch_command(tmp_path):
     done = run_script(tmp_path, "qwen3_vl-8b-4x4090", "rollout.batch_size=16", "--dry-run")
     assert done.returncode == 0, done.stderr
-    assert "python -m openrlhf_lora_sync.launch" in done.stdout
+    assert "python -m openrlhf_lora_sync.patch.launch" in done.stdout
     assert "--rollout.batch_size 16" in done.stdout and "LORA_SYNC_TRANSPORT=auto" in done.stdout
     assert "nothing started" in done.stdout
 

@@ -46,7 +46,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from openrlhf_lora_sync import reference_policy
+from openrlhf_lora_sync.patch import reference_policy
 from openrlhf_lora_sync.testing.cpu_deepspeed import process_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,7 +73,7 @@ def _batch(seed: int = 0):
 def _cpu_stack_stand_ins() -> None:
     """In a worker process: CPU answers for OpenRLHF's CUDA calls, and its log_probs_from_logits on its torch
     path (the CPU stack's flash-attn has Python files but no kernels: an import that fails sends OpenRLHF
-    to its torch fallback, as scripts/smoke_cpu.py does)."""
+    to its torch fallback, as testing/smoke_pipeline.py does for scripts/smoke_cpu.py)."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     sys.modules[TRITON_CROSS_ENTROPY] = None
@@ -127,7 +127,7 @@ def run_worker(model_dir: str, out: str) -> None:
     from openrlhf.trainer.ray import launcher, ppo_actor
     from openrlhf.utils import utils as openrlhf_utils
     from openrlhf.utils.deepspeed import DeepspeedStrategy
-    from openrlhf_lora_sync import openrlhf_patch
+    from openrlhf_lora_sync.patch import openrlhf_patch
     from openrlhf_lora_sync.testing import cpu_deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -314,7 +314,7 @@ def _set_up(monkeypatch, model_dir: Path, mode: str):
     import ray
     from openrlhf.trainer import ppo_trainer
     from openrlhf.trainer.ray import launcher
-    from openrlhf_lora_sync.recipe import dry_run
+    from openrlhf_lora_sync.config.recipe import dry_run
 
     monkeypatch.setenv("LORA_SYNC_REFERENCE_FROM_BASE", mode)
     monkeypatch.setattr(ppo_trainer, "PPOTrainer", _trainer_without_data())
@@ -341,7 +341,7 @@ def _set_up(monkeypatch, model_dir: Path, mode: str):
 @pytest.fixture(scope="module")
 def ray_cluster():
     import ray
-    from openrlhf_lora_sync.launch import ray_runtime_env
+    from openrlhf_lora_sync.patch.launch import ray_runtime_env
     from ray import cloudpickle
 
     # Test helpers go to the Ray workers by value: they cannot import this test module.
@@ -361,7 +361,7 @@ def test_train_ppo_ray_starts_no_reference_model_and_still_gets_reference_log_pr
 ):
     from openrlhf.models import Actor
     from openrlhf.trainer.ppo_utils.experience import Experience
-    from openrlhf_lora_sync import openrlhf_patch
+    from openrlhf_lora_sync.patch import openrlhf_patch
 
     ray = ray_cluster
     openrlhf_patch.apply()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from openrlhf_lora_sync import settings
+from openrlhf_lora_sync.base import settings
 
 from rewards import REWARDS, math_answer, reward_file
 from rewards.math_answer import (

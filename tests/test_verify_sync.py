@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from openrlhf_lora_sync import adapter_mode
+from openrlhf_lora_sync.sync import adapter_mode
 from openrlhf_lora_sync.testing.tiny_models import FAMILIES
 
 ROOT = Path(__file__).resolve().parent.parent

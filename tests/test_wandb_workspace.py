@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from openrlhf_lora_sync.sync import SyncStats
+from openrlhf_lora_sync.sync.sync import SyncStats
 from openrlhf_lora_sync.tools import wandb_workspace
 
 from rewards.math_answer import reward_func

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from openrlhf_lora_sync.sync.transport import free_port
 from openrlhf_lora_sync.testing.cpu_deepspeed import process_env
-from openrlhf_lora_sync.transport import free_port
 
 FAMILY = "qwen2_5_vl"
 LORA_MODULES = ("q_proj", "v_proj", "up_proj")
@@ -63,7 +63,7 @@ def _partition_stats(params) -> dict[str, int]:
 
 
 def _sync_once(engine) -> dict[str, torch.Tensor]:
-    from openrlhf_lora_sync.merge import iter_effective_checkpoint_tensors, sync_units
+    from openrlhf_lora_sync.sync.merge import iter_effective_checkpoint_tensors, sync_units
 
     synced: dict[str, torch.Tensor] = {}
     units = sync_units(engine.module)
@@ -78,7 +78,7 @@ def _sync_once(engine) -> dict[str, torch.Tensor]:
 def run_worker(model_dir: str, adapter_dir: str, out_dir: str) -> None:
     """One rank: load base + adapter, wrap in ZeRO-3, sync twice, rank 0 saves the tensors."""
     import deepspeed
-    from openrlhf_lora_sync.adapter_check import load_checked_adapter
+    from openrlhf_lora_sync.config.adapter_check import load_checked_adapter
     from transformers import AutoModelForImageTextToText
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -119,7 +119,7 @@ def run_worker(model_dir: str, adapter_dir: str, out_dir: str) -> None:
     assert first.keys() == second.keys()
     unequal = [name for name in first if not torch.equal(first[name], second[name])]
     assert not unequal, f"second sync differs (merged in place?): {unequal[:5]}"
-    from openrlhf_lora_sync.adapter_mode import adapters_switched_off, lora_tensors
+    from openrlhf_lora_sync.sync.adapter_mode import adapters_switched_off, lora_tensors
 
     adapter = dict(lora_tensors(engine.module, torch.float32))
     with adapters_switched_off(engine.module):
@@ -207,7 +207,7 @@ def _make_adapter(model_dir: Path, adapter_dir: Path) -> None:
 
 def _peft_merged_reference(model_dir: Path, adapter_dir: Path, out_dir: Path) -> dict[str, torch.Tensor]:
     """peft's merge_and_unload, saved by transformers: values and names independent of merge.py."""
-    from openrlhf_lora_sync.adapter_check import load_checked_adapter
+    from openrlhf_lora_sync.config.adapter_check import load_checked_adapter
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 

@@ -1,10 +1,21 @@
 """LoRA-aware policy-to-vLLM weight sync for OpenRLHF, vendored as a run-time patch, and the tools around it.
 
 Installed under its own name by scripts/setup_env.sh (editable), so that every process of a run, Ray
-actors and vLLM engine processes included, can import it. The layout and which way imports go are drawn
-in the README ("Layout"); each module's docstring says what it covers. Importing this package imports
-nothing but the standard library; it silences, at their source, two third-party import messages that
-need no action here (below), since every entry point and Ray worker of the patch imports it first.
+actors and vLLM engine processes included, can import it. One sub-package per concern, each __init__
+saying what it holds; each module's docstring says what it covers:
+
+    base/      settings, pins, upstream: the facts every part reads (standard library only)
+    sync/      the LoRA-aware weight sync: merge, plan, bucket, transport, the sync loop, worker extension
+    config/    recipes -> checked runs, the checks before a run, the memory budget, preflight
+    patch/     the run-time patch of OpenRLHF and its launcher
+    testing/   the harness shared by tests/ and the tools
+    tools/     the entry points' main()
+
+Imports go one way: a group imports only itself and the groups listed before it, never one after it
+(tools -> testing -> patch -> config -> sync -> base); rewards/ imports only `base`, and only `tools` imports
+rewards/ (tests/unit/test_layout.py checks both). Importing this package imports nothing but the
+standard library; it silences, at their source, two third-party import messages that need no action here
+(below), since every entry point and Ray worker of the patch imports it first.
 """
 
 import logging

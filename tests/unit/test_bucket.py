@@ -9,7 +9,7 @@ Does not cover: which groups a sync builds (tests/unit/test_plan.py, tests/test_
 from __future__ import annotations
 
 import torch
-from openrlhf_lora_sync.bucket import ALIGNMENT, layout, pack_into, split_groups, unpack
+from openrlhf_lora_sync.sync.bucket import ALIGNMENT, layout, pack_into, split_groups, unpack
 
 
 def _groups(count: int, members: int = 3, nbytes: int = 256) -> list[list[tuple[str, torch.Tensor]]]:

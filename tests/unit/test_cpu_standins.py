@@ -12,13 +12,13 @@ import json
 import subprocess
 import sys
 
-from openrlhf_lora_sync import cpu_standins
+from openrlhf_lora_sync.patch import cpu_standins
 
 PROBE = r"""
 import json, sys
 import torch
 from openrlhf.trainer.ppo_utils import replay_buffer
-from openrlhf_lora_sync import cpu_standins
+from openrlhf_lora_sync.patch import cpu_standins
 
 if sys.argv[1] == "cuda":
     torch.cuda.is_available = lambda: True
@@ -101,7 +101,7 @@ def test_torch_compile_still_works_after_install():
     vLLM engine compiling after install() failed ("Duplicate torch object ... with different rules")."""
     code = (
         "import torch\n"
-        "from openrlhf_lora_sync import cpu_standins\n"
+        "from openrlhf_lora_sync.patch import cpu_standins\n"
         "assert cpu_standins.install()\n"
         "from torch._dynamo import trace_rules\n"
         "trace_rules.get_torch_obj_rule_map()\n"

@@ -11,8 +11,8 @@ Does not cover: the engine's side (tests/test_sync.py) or merging (tests/test_sy
 from __future__ import annotations
 
 import torch
-from openrlhf_lora_sync.merge import SyncUnit
-from openrlhf_lora_sync.plan import DEFAULT_PACKED_MODULES, SyncState, delta_plan, full_plan
+from openrlhf_lora_sync.sync.merge import SyncUnit
+from openrlhf_lora_sync.sync.plan import DEFAULT_PACKED_MODULES, SyncState, delta_plan, full_plan
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -111,7 +111,7 @@ def test_empty_plans():
 
 def test_a_delta_sync_never_splits_a_fused_group_across_buckets():
     """sync_weights on a tiny peft policy, buckets smaller than any tensor, recorded instead of sent."""
-    from openrlhf_lora_sync.sync import sync_weights
+    from openrlhf_lora_sync.sync.sync import sync_weights
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from openrlhf_lora_sync import memory_budget, settings
-from openrlhf_lora_sync import recipe as rr
+from openrlhf_lora_sync.base import settings
+from openrlhf_lora_sync.config import memory_budget
+from openrlhf_lora_sync.config import recipe as rr
 from openrlhf_lora_sync.tools import render_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -264,10 +265,10 @@ def test_exec_replaces_the_process_with_the_launcher(monkeypatch, capsys):
     render_recipe.main(["qwen3_vl-8b-4x4090", "ds.lora.rank=16", "--exec"])
     executable, command, env = calls[0]
     assert executable == sys.executable
-    assert command[:3] == [sys.executable, "-m", "openrlhf_lora_sync.launch"]
+    assert command[:3] == [sys.executable, "-m", "openrlhf_lora_sync.patch.launch"]
     assert command[command.index("--ds.lora.rank") + 1] == "16"
     assert env["LORA_SYNC_TRANSPORT"] == "auto" and env["WANDB_MODE"] == "offline"
-    assert "openrlhf_lora_sync.launch" in capsys.readouterr().err
+    assert "openrlhf_lora_sync.patch.launch" in capsys.readouterr().err
 
 
 def test_resolved_recipe_is_the_merged_overridden_flags(tmp_path):

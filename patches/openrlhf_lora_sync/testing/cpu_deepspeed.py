@@ -21,8 +21,8 @@ from types import SimpleNamespace
 
 import torch
 
-from openrlhf_lora_sync import cpu_standins
-from openrlhf_lora_sync.transport import free_port
+from openrlhf_lora_sync.patch import cpu_standins
+from openrlhf_lora_sync.sync.transport import free_port
 
 
 def process_env(rank: int = 0, world_size: int = 1, port: int | None = None, **extra: str) -> dict[str, str]:

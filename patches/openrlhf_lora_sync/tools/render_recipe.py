@@ -5,8 +5,8 @@
                                     [--exec]
 
 RECIPE is a path or a name in recipes/ (`qwen3_vl-8b-4x4090`). Prints the launch command (`env VARS python
--m openrlhf_lora_sync.launch FLAGS`); exits 2 with one `render_recipe: ...` line per problem (the key and
-its fix) when the recipe is wrong. Every invocation runs the whole recipe path (OpenRLHF's parser and
+-m openrlhf_lora_sync.patch.launch FLAGS`); exits 2 with one `render_recipe: ...` line per problem (the key
+and its fix) when the recipe is wrong. Every invocation runs the whole recipe path (OpenRLHF's parser and
 checks, config_checks): `--dry-run` adds the memory estimate (memory_budget.py) and says it passed.
 `--exec` replaces this process with the launch command (what scripts/run_grpo_lora.sh does last).
 Hardware: none. Starts nothing (no Ray, vLLM, torch or GPU) except for the memory estimate of --dry-run,
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from openrlhf_lora_sync import memory_budget
-from openrlhf_lora_sync.recipe import MEMORY_LINE_PREFIX, RecipeError, Rendered, Run, load_run
+from openrlhf_lora_sync.config import memory_budget
+from openrlhf_lora_sync.config.recipe import MEMORY_LINE_PREFIX, RecipeError, Rendered, Run, load_run
 
 
 def memory_report(run: Run, gpu_mem_gib: float = 24.0) -> list[str]:

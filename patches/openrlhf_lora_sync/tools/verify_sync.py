@@ -91,11 +91,11 @@ def check_inputs(args):
     (BadInputError, AdapterMismatchError, UnsupportedCheckpointError)."""
     from transformers import AutoConfig
 
-    from openrlhf_lora_sync.adapter_check import check_adapter_dir
-    from openrlhf_lora_sync.adapter_mode import SUPPORTED_MODEL_TYPES
-    from openrlhf_lora_sync.result_line import BadInputError
+    from openrlhf_lora_sync.config.adapter_check import check_adapter_dir
+    from openrlhf_lora_sync.config.weights_check import expected_shapes, weights_problem
+    from openrlhf_lora_sync.sync.adapter_mode import SUPPORTED_MODEL_TYPES
     from openrlhf_lora_sync.testing.logprob_check import PROCESSOR_FILES, TOKENIZER_FILES, engine_settings
-    from openrlhf_lora_sync.weights_check import expected_shapes, weights_problem
+    from openrlhf_lora_sync.tools.result_line import BadInputError
 
     if not (Path(args.model) / "config.json").is_file():
         raise BadInputError(f"{args.model} has no config.json; pass a local HF checkpoint directory")
@@ -150,7 +150,7 @@ def _load_policy(args, config, dtype):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from openrlhf_lora_sync.adapter_check import load_checked_adapter
+    from openrlhf_lora_sync.config.adapter_check import load_checked_adapter
 
     auto_cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     base = auto_cls.from_pretrained(args.model, dtype=dtype)
@@ -162,7 +162,7 @@ def _load_policy(args, config, dtype):
 
 
 def _has_vision_lora(policy) -> bool:
-    from openrlhf_lora_sync.adapter_mode import VISION_TOWER
+    from openrlhf_lora_sync.sync.adapter_mode import VISION_TOWER
 
     return any(f".{VISION_TOWER}." in name and "lora_" in name for name, _ in policy.named_parameters())
 
@@ -170,9 +170,13 @@ def _has_vision_lora(policy) -> bool:
 def verify(args, config) -> dict:
     import torch
 
-    from openrlhf_lora_sync.adapter_mode import AdapterSyncState, check_adapter_mode_supported, sync_adapter
-    from openrlhf_lora_sync.plan import SyncState
-    from openrlhf_lora_sync.sync import LocalEngines, sync_weights
+    from openrlhf_lora_sync.sync.adapter_mode import (
+        AdapterSyncState,
+        check_adapter_mode_supported,
+        sync_adapter,
+    )
+    from openrlhf_lora_sync.sync.plan import SyncState
+    from openrlhf_lora_sync.sync.sync import LocalEngines, sync_weights
     from openrlhf_lora_sync.testing.logprob_check import (
         LOGPROB_TOLERANCE,
         checkpoint_processor,
@@ -285,10 +289,10 @@ def inject_fault(args, config) -> dict:
     """A correct sync, the fault, detection and recovery; see the module docstring."""
     import torch
 
-    from openrlhf_lora_sync import probe, transport
-    from openrlhf_lora_sync.merge import iter_effective_checkpoint_tensors, sync_units
-    from openrlhf_lora_sync.plan import SyncState
-    from openrlhf_lora_sync.sync import LocalEngines, sync_weights
+    from openrlhf_lora_sync.sync import probe, transport
+    from openrlhf_lora_sync.sync.merge import iter_effective_checkpoint_tensors, sync_units
+    from openrlhf_lora_sync.sync.plan import SyncState
+    from openrlhf_lora_sync.sync.sync import LocalEngines, sync_weights
     from openrlhf_lora_sync.testing.logprob_check import checkpoint_processor, start_checkpoint_engine
 
     dtype_name = _dtype_name(args, config)
@@ -361,10 +365,10 @@ def inject_fault(args, config) -> dict:
 
 
 def main(argv=None) -> int:
-    from openrlhf_lora_sync.adapter_check import AdapterMismatchError
-    from openrlhf_lora_sync.merge import UnsupportedAdapterError
-    from openrlhf_lora_sync.result_line import BadInputError, emit, refuse, result_stdout
+    from openrlhf_lora_sync.config.adapter_check import AdapterMismatchError
+    from openrlhf_lora_sync.sync.merge import UnsupportedAdapterError
     from openrlhf_lora_sync.testing.logprob_check import UnsupportedCheckpointError
+    from openrlhf_lora_sync.tools.result_line import BadInputError, emit, refuse, result_stdout
 
     args = parse_args(argv)
     with result_stdout() as stdout:

@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import logging
 
-from openrlhf_lora_sync import cpu_standins, settings
-from openrlhf_lora_sync.pins import check_versions
+from openrlhf_lora_sync.base import settings
+from openrlhf_lora_sync.base.pins import check_versions
+from openrlhf_lora_sync.patch import cpu_standins
 
 logger = logging.getLogger("openrlhf_lora_sync")
 logger.setLevel(logging.INFO)  # the per-sync summary is INFO; apply() gives it a handler
@@ -86,7 +87,7 @@ def adapter_lora_rank() -> int:
     if rank <= 0:
         raise ValueError(
             "adapter sync mode: LORA_SYNC_LORA_RANK is not set; start through python -m "
-            "openrlhf_lora_sync.launch (it sets it from --ds.lora.rank) or set it to that rank"
+            "openrlhf_lora_sync.patch.launch (it sets it from --ds.lora.rank) or set it to that rank"
         )
     return rank
 
@@ -153,10 +154,10 @@ def lora_broadcast_to_vllm(self) -> None:
     """Replacement for ActorPPOTrainer.broadcast_to_vllm (runs on every trainer rank)."""
     import torch
 
-    from openrlhf_lora_sync import probe
-    from openrlhf_lora_sync.adapter_mode import AdapterSyncState, sync_adapter
-    from openrlhf_lora_sync.plan import SyncState
-    from openrlhf_lora_sync.sync import sync_weights
+    from openrlhf_lora_sync.sync import probe
+    from openrlhf_lora_sync.sync.adapter_mode import AdapterSyncState, sync_adapter
+    from openrlhf_lora_sync.sync.plan import SyncState
+    from openrlhf_lora_sync.sync.sync import sync_weights
 
     adapter_mode = sync_mode() == "adapter"
     state = getattr(self, "_lora_sync_state", None)
@@ -182,7 +183,7 @@ def lora_broadcast_to_vllm(self) -> None:
         self.strategy.args.train.colocate_all, trainer_node, engine_nodes
     )
     if transport == "broadcast":
-        from openrlhf_lora_sync.transport import BroadcastTransport
+        from openrlhf_lora_sync.sync.transport import BroadcastTransport
 
         if getattr(self, "_lora_sync_broadcast", None) is None:
             self._lora_sync_broadcast = BroadcastTransport(
@@ -240,8 +241,8 @@ def _probe_after_sync(trainer, engines, stats, rank: int, distributed: bool) -> 
 
     import torch
 
-    from openrlhf_lora_sync import probe
-    from openrlhf_lora_sync.adapter_mode import AdapterSyncState
+    from openrlhf_lora_sync.sync import probe
+    from openrlhf_lora_sync.sync.adapter_mode import AdapterSyncState
 
     model = trainer.actor.model.module
     start = time.perf_counter()
@@ -272,8 +273,8 @@ def _checking_adapters_at_start(upstream_init):
     """Refuse adapters merge-then-sync cannot merge (DoRA, LoRA on embeddings...), or in adapter sync mode
     those vLLM's LoRA cannot serve, when the trainer is built, before the first rollout, rather than at the
     first sync after a training step."""
-    from openrlhf_lora_sync.adapter_mode import check_adapter_mode_supported
-    from openrlhf_lora_sync.merge import check_supported_adapters
+    from openrlhf_lora_sync.sync.adapter_mode import check_adapter_mode_supported
+    from openrlhf_lora_sync.sync.merge import check_supported_adapters
 
     def __init__(self, *args, **kwargs):
         upstream_init(self, *args, **kwargs)
@@ -414,7 +415,7 @@ def _lora_engine_actor(upstream_actor):
     added to the upstream class afterwards."""
     import ray
 
-    from openrlhf_lora_sync.worker_extension import WORKER_EXTENSION_CLS
+    from openrlhf_lora_sync.sync.worker_extension import WORKER_EXTENSION_CLS
 
     upstream = upstream_actor.__ray_metadata__.modified_class.__bases__[0]
 
@@ -426,7 +427,7 @@ def _lora_engine_actor(upstream_actor):
             self._never_sampled = never_sampled_token_ids(kwargs["model"], kwargs.get("mm_pad_token_ids"))
             adapter_mode = sync_mode() == "adapter"
             if adapter_mode:
-                from openrlhf_lora_sync.adapter_mode import engine_lora_kwargs
+                from openrlhf_lora_sync.sync.adapter_mode import engine_lora_kwargs
 
                 kwargs.update(engine_lora_kwargs(adapter_lora_rank()))
             await super().__init__(*args, **kwargs)
@@ -460,7 +461,7 @@ def _lora_engine_actor(upstream_actor):
         async def lora_sync_rpc(self, method: str, *args):
             results = await self.llm.collective_rpc(method, args=args)
             if method in ("install_lora_adapter", "install_lora_adapter_broadcast"):
-                from openrlhf_lora_sync.adapter_mode import lora_request_for
+                from openrlhf_lora_sync.sync.adapter_mode import lora_request_for
 
                 self.lora_request = lora_request_for(results[0]["lora_id"])
             return results
@@ -493,8 +494,8 @@ def apply() -> None:
     from openrlhf.utils.deepspeed import DeepspeedStrategy
     from openrlhf.utils.logging_utils import init_logger
 
-    from openrlhf_lora_sync import offload, reference_policy
-    from openrlhf_lora_sync.checkpoint import atomic_save_model, logging_resume
+    from openrlhf_lora_sync.patch import offload, reference_policy
+    from openrlhf_lora_sync.patch.checkpoint import atomic_save_model, logging_resume
 
     trainer_cls = ppo_actor.ActorPPOTrainer
     if getattr(trainer_cls, _APPLIED_MARK, False):

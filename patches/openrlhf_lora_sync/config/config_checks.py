@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from openrlhf_lora_sync.upstream import vllm_lora_ranks
+from openrlhf_lora_sync.base.upstream import vllm_lora_ranks
 
 OFFLOAD_KEY = "trainer.offload_params"
 OPENRLHF_DEFAULT_TARGETS = "all-linear"  # train_ppo_ray's --ds.lora.target_modules default
@@ -201,7 +201,7 @@ def openrlhf_lora_config(rank: int, alpha: int | None, targets, dropout: float |
 
 def target_problems(run, model: str, reference: dict | None = None) -> list[ConfigProblem]:
     """ds.lora.target_modules (and the rank, in merge mode) against `model` (a directory or a cached hub
-    id; else `reference`, a config.json dict such as memory_budget.REFERENCE_CONFIGS holds), matched by
+    id; else `reference`, a config.json dict such as model_inventory.REFERENCE_CONFIGS holds), matched by
     peft on a weightless copy of the model. Nothing to check without LoRA."""
     import copy
 
@@ -211,8 +211,8 @@ def target_problems(run, model: str, reference: dict | None = None) -> list[Conf
     from torch import nn
     from transformers import AutoConfig
 
-    from openrlhf_lora_sync.adapter_mode import check_adapter_mode_supported
-    from openrlhf_lora_sync.merge import UnsupportedAdapterError, check_supported_adapters
+    from openrlhf_lora_sync.sync.adapter_mode import check_adapter_mode_supported
+    from openrlhf_lora_sync.sync.merge import UnsupportedAdapterError, check_supported_adapters
 
     lora = run.args.ds.lora
     rank = lora.rank
@@ -298,7 +298,7 @@ def length_problems(run, model: str) -> list[ConfigProblem]:
 
 
 def version_problems(installed: dict[str, str] | None = None) -> list[ConfigProblem]:
-    from openrlhf_lora_sync.pins import UnsupportedVersionError, check_versions
+    from openrlhf_lora_sync.base.pins import UnsupportedVersionError, check_versions
 
     try:
         check_versions(installed)

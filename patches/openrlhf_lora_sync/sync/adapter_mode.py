@@ -37,8 +37,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from openrlhf_lora_sync.bucket import layout
-from openrlhf_lora_sync.merge import (
+from openrlhf_lora_sync.base.upstream import vllm_lora_ranks
+from openrlhf_lora_sync.sync.bucket import layout
+from openrlhf_lora_sync.sync.merge import (
     PEFT_PREFIX,
     UnsupportedAdapterError,
     _gathered,
@@ -46,10 +47,9 @@ from openrlhf_lora_sync.merge import (
     check_supported_adapters,
     sync_units,
 )
-from openrlhf_lora_sync.plan import SyncState
-from openrlhf_lora_sync.sync import DEFAULT_BUCKET_BYTES, Engines, SyncStats, sync_weights
-from openrlhf_lora_sync.transport import BroadcastTransport, Send, ShmSlots
-from openrlhf_lora_sync.upstream import vllm_lora_ranks
+from openrlhf_lora_sync.sync.plan import SyncState
+from openrlhf_lora_sync.sync.sync import DEFAULT_BUCKET_BYTES, Engines, SyncStats, sync_weights
+from openrlhf_lora_sync.sync.transport import BroadcastTransport, Send, ShmSlots
 
 # model_type -> family name; each is checked against HF's merged model by tests/test_adapter_mode.py.
 SUPPORTED_MODEL_TYPES = {

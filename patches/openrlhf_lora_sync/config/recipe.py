@@ -64,10 +64,12 @@ from types import SimpleNamespace
 
 import yaml
 
-from openrlhf_lora_sync import REPO_ROOT, config_checks, settings
+from openrlhf_lora_sync import REPO_ROOT
+from openrlhf_lora_sync.base import settings
+from openrlhf_lora_sync.config import config_checks
 
 RECIPES_DIR = REPO_ROOT / "recipes"
-LAUNCH_MODULE = "openrlhf_lora_sync.launch"
+LAUNCH_MODULE = "openrlhf_lora_sync.patch.launch"
 BASE_KEY = "base"
 # OpenRLHF 0.11.2 starts its wandb logger only when --logger.wandb.key is non-empty, and uses the value only
 # when wandb has no key of its own (WANDB_API_KEY, ~/.netrc) and is online. So a key is never written into

@@ -24,11 +24,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from openrlhf_lora_sync import settings
-from openrlhf_lora_sync.bucket import split_groups
-from openrlhf_lora_sync.merge import SyncUnit, iter_effective_checkpoint_tensors, sync_units
-from openrlhf_lora_sync.plan import DEFAULT_PACKED_MODULES, SyncState
-from openrlhf_lora_sync.transport import TRANSPORTS, Send, kept_shm_slots, send_via_shm
+from openrlhf_lora_sync.base import settings
+from openrlhf_lora_sync.sync.bucket import split_groups
+from openrlhf_lora_sync.sync.merge import SyncUnit, iter_effective_checkpoint_tensors, sync_units
+from openrlhf_lora_sync.sync.plan import DEFAULT_PACKED_MODULES, SyncState
+from openrlhf_lora_sync.sync.transport import TRANSPORTS, Send, kept_shm_slots, send_via_shm
 
 # Small enough for the /dev/shm pipeline to overlap the trainer's merge with the engines' reload: a full
 # sync of bench_sync.py's model (611 MiB) took 0.94 s in 128 MiB buckets, 1.32 s in 512 MiB ones (2 CPU

@@ -49,7 +49,7 @@ import contextlib
 import functools
 import logging
 
-from openrlhf_lora_sync import settings
+from openrlhf_lora_sync.base import settings
 
 logger = logging.getLogger("openrlhf_lora_sync")
 

@@ -93,7 +93,7 @@ def check_adapter_dir(adapter_dir: str | Path, base_model_type: str) -> dict:
             "writes, e.g. the run's ckpt.output_dir or <ckpt.path>/global_step<N>_hf)"
         )
     config = json.loads(config_path.read_text())
-    from openrlhf_lora_sync.weights_check import weights_problem
+    from openrlhf_lora_sync.config.weights_check import weights_problem
 
     unreadable = weights_problem(adapter_dir, "adapter_model")
     if unreadable:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from openrlhf_lora_sync.merge import SyncUnit
+from openrlhf_lora_sync.sync.merge import SyncUnit
 
 # vLLM's packed_modules_mapping for the supported families, used when the engine cannot be asked.
 DEFAULT_PACKED_MODULES = {

@@ -33,8 +33,8 @@ from typing import NamedTuple
 
 import torch
 
-from openrlhf_lora_sync import settings
-from openrlhf_lora_sync.bucket import TensorMeta, layout, pack_into
+from openrlhf_lora_sync.base import settings
+from openrlhf_lora_sync.sync.bucket import TensorMeta, layout, pack_into
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 # Bucket files are named openrlhf-lora-sync-<run>-<pid>-<random>.bin; the launcher sets the run id (and

@@ -1,6 +1,6 @@
 """Launcher: apply the patch everywhere, then run OpenRLHF's own `train_ppo_ray` with the user's flags.
 
-    python -m openrlhf_lora_sync.launch --pretrain ... --ds.lora.rank 64 ...   (train_ppo_ray's flags)
+    python -m openrlhf_lora_sync.patch.launch --pretrain ... --ds.lora.rank 64 ...   (train_ppo_ray's flags)
 
 Covers: refusing, before anything starts (exit status 2, one line per problem), flags OpenRLHF's parser
 rejects and what this patch cannot run, through the same recipe path as every other entry point
@@ -24,7 +24,7 @@ import sys
 import uuid
 from pathlib import Path
 
-SETUP_HOOK = "openrlhf_lora_sync.openrlhf_patch.apply"
+SETUP_HOOK = "openrlhf_lora_sync.patch.openrlhf_patch.apply"
 FORWARDED_PREFIXES = ("LORA_SYNC_", "REWARD_", "WANDB_", "HF_", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_")
 # What train_ppo_ray's own ray.init would set; it skips its init when Ray is already up.
 OPENRLHF_RAY_ENV_DEFAULTS = {
@@ -81,10 +81,11 @@ def declared_resources(args) -> dict[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from openrlhf_lora_sync import cpu_standins, settings
-    from openrlhf_lora_sync.config_checks import launch_problems
-    from openrlhf_lora_sync.openrlhf_patch import apply
-    from openrlhf_lora_sync.recipe import RecipeError, run_from_argv
+    from openrlhf_lora_sync.base import settings
+    from openrlhf_lora_sync.config.config_checks import launch_problems
+    from openrlhf_lora_sync.config.recipe import RecipeError, run_from_argv
+    from openrlhf_lora_sync.patch import cpu_standins
+    from openrlhf_lora_sync.patch.openrlhf_patch import apply
 
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from openrlhf_lora_sync.transport import RUN_ID_ENV, remove_run_files
+    from openrlhf_lora_sync.sync.transport import RUN_ID_ENV, remove_run_files
 
     os.environ.setdefault(RUN_ID_ENV, uuid.uuid4().hex[:12])  # forwarded to every actor (LORA_SYNC_ prefix)
     # SIGTERM's default action skips `finally`; as SystemExit it unwinds through the cleanup below.
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
     except Exception as error:
-        from openrlhf_lora_sync.run_errors import dead_actor_line
+        from openrlhf_lora_sync.patch.run_errors import dead_actor_line
 
         line = dead_actor_line(error)  # an actor of the run died: one line naming it (run_errors.py)
         if line is None:

@@ -73,6 +73,6 @@ def weights_problem(directory: str | Path, stem: str = "model", expected: dict |
 
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
     """{parameter name: shape} of the model `config` builds, on the meta device (no memory)."""
-    from openrlhf_lora_sync.config_checks import meta_model
+    from openrlhf_lora_sync.config.config_checks import meta_model
 
     return {name: tuple(tensor.shape) for name, tensor in meta_model(config).state_dict().items()}

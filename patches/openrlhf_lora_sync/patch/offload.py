@@ -36,7 +36,7 @@ import copy
 import functools
 import logging
 
-from openrlhf_lora_sync import settings
+from openrlhf_lora_sync.base import settings
 
 logger = logging.getLogger("openrlhf_lora_sync")
 

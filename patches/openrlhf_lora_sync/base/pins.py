@@ -1,6 +1,6 @@
 """Reads versions.toml, the one list of pins, for the patch, the shell scripts, the Dockerfile and preflight.
 
-    python patches/openrlhf_lora_sync/pins.py get vllm --stack cpu     # what scripts/setup_env.sh runs
+    python patches/openrlhf_lora_sync/base/pins.py get vllm --stack cpu     # what scripts/setup_env.sh runs
 
 Covers: the OpenRLHF and vLLM releases the patch supports and the check of the installed ones
 (`check_versions`, used by openrlhf_patch.apply and config_checks); rendering a stack's pins as pip
@@ -24,13 +24,13 @@ from pathlib import Path
 import tomllib
 
 PINS_FILE = Path(__file__).with_name("versions.toml")
-CHECKOUT = Path(__file__).resolve().parents[2]  # meaningful in the checkout only (fingerprint)
+CHECKOUT = Path(__file__).resolve().parents[3]  # meaningful in the checkout only (fingerprint)
 STACKS = ("cpu", "gpu")
 # Files of the checkout whose change means the environment must be rebuilt.
 FINGERPRINT_INPUTS = (
     "versions.toml",
     "scripts/setup_env.sh",
-    "patches/openrlhf_lora_sync/pins.py",
+    "patches/openrlhf_lora_sync/base/pins.py",
     "pyproject.toml",
 )
 

@@ -45,7 +45,7 @@ from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from openrlhf_lora_sync.bucket import TensorMeta, unpack
+from openrlhf_lora_sync.sync.bucket import TensorMeta, unpack
 
 WORKER_EXTENSION_CLS = f"{__name__}.LoraSyncWorkerExtension"
 
@@ -161,7 +161,7 @@ class LoraSyncWorkerExtension(WorkerWrap):
     def load_bucket_from_file(self, path: str, total: int, metas: list[TensorMeta]) -> dict:
         """Load a /dev/shm bucket; `holds_file` says whether vLLM still buffers views into the file
         afterwards (layers it processes only at finalize), so the sender must not overwrite it."""
-        from openrlhf_lora_sync.transport import read_shm_bucket
+        from openrlhf_lora_sync.sync.transport import read_shm_bucket
 
         buffer = read_shm_bucket(path, total)
         count = self._load(unpack(buffer, metas))
@@ -189,7 +189,7 @@ class LoraSyncWorkerExtension(WorkerWrap):
     def load_bucket_cuda_ipc(self, handles: dict, metas: list[TensorMeta]) -> int:
         from openrlhf.trainer.ray.utils import get_physical_gpu_id
 
-        from openrlhf_lora_sync.transport import open_cuda_ipc_bucket
+        from openrlhf_lora_sync.sync.transport import open_cuda_ipc_bucket
 
         buffer = open_cuda_ipc_bucket(handles[get_physical_gpu_id()], self.device.index)
         count = self._load(unpack(buffer, metas))
@@ -281,7 +281,7 @@ class LoraSyncWorkerExtension(WorkerWrap):
     ) -> list[float]:
         """Copy a bucket (every weight of the model) into this process's memory, then reload it in place
         `repeats` times as one full sync; the seconds of each reload (begin, load, finish)."""
-        from openrlhf_lora_sync.transport import read_shm_bucket
+        from openrlhf_lora_sync.sync.transport import read_shm_bucket
 
         held = unpack(read_shm_bucket(path, total).clone(), metas)
         seconds = []
@@ -307,7 +307,7 @@ class LoraSyncWorkerExtension(WorkerWrap):
         self, path: str, total: int, metas: list[TensorMeta], lora_id: int, peft_config: dict
     ) -> dict:
         """Install the adapter in a /dev/shm bucket (engines on the trainer's node)."""
-        from openrlhf_lora_sync.transport import read_shm_bucket
+        from openrlhf_lora_sync.sync.transport import read_shm_bucket
 
         return self._install_lora(dict(unpack(read_shm_bucket(path, total), metas)), lora_id, peft_config)
 
