@@ -43,7 +43,7 @@ class StandIn:
         return f"{self.target} -> {self.answer} ({', '.join(self.sites)})"
 
 
-def _set_torch_cuda(name: str, result) -> Callable[[], None]:
+def torch_cuda_answer(name: str, result) -> Callable[[], None]:
     """Installs torch.cuda.<name> as a function of its own returning `result`. One function object per
     name: torch.dynamo keys its trace rules by the objects torch.cuda's names hold, and refuses one object
     under two names with different rules (an in-process vLLM engine compiles after install())."""
@@ -90,7 +90,7 @@ STAND_INS: tuple[StandIn, ...] = (
         "no-op",
         ("openrlhf/utils/deepspeed/deepspeed.py:97",),
         "setup_distributed pins the local rank's GPU before deepspeed.init_distributed; a CPU rank has none",
-        _set_torch_cuda("set_device", None),
+        torch_cuda_answer("set_device", None),
     ),
     StandIn(
         "torch.cuda:synchronize",
@@ -102,7 +102,7 @@ STAND_INS: tuple[StandIn, ...] = (
             "openrlhf/trainer/ray/launcher.py:65",
         ),
         "waits for CUDA streams after barriers and state offloads; CPU work is already done when it returns",
-        _set_torch_cuda("synchronize", None),
+        torch_cuda_answer("synchronize", None),
     ),
     StandIn(
         "torch.cuda:current_device",
@@ -115,7 +115,7 @@ STAND_INS: tuple[StandIn, ...] = (
             "openrlhf/utils/deepspeed/deepspeed.py:614,633",
         ),
         "used as the device tensors are moved to (experiences, all-reduced counts); on CPU that is the CPU",
-        _set_torch_cuda("current_device", "cpu"),
+        torch_cuda_answer("current_device", "cpu"),
     ),
     StandIn(
         f"sys.modules[{FLASH_ATTN_TRITON_CROSS_ENTROPY}]",

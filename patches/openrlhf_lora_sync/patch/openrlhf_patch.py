@@ -506,6 +506,8 @@ def apply() -> None:
     # OpenRLHF's own handler (INFO, stdout, its format): the one summary line per sync is in the run's log
     # at INFO, next to OpenRLHF's lines, and warnings stay for what needs action.
     init_logger(logger.name)
+    # Upstream's own sync stays callable (tools/bench_trainer_sync.py times it against the patch's).
+    trainer_cls.upstream_broadcast_to_vllm = trainer_cls.broadcast_to_vllm
     trainer_cls.broadcast_to_vllm = lora_broadcast_to_vllm
     trainer_cls.__init__ = _checking_adapters_at_start(trainer_cls.__init__)
     trainer_cls.ppo_train = _with_sync_metrics(trainer_cls.ppo_train)

@@ -190,9 +190,21 @@ FAMILIES: dict[str, TinyFamily] = {
 
 
 # Per scale: overrides of a family's text and vision config. "bench" is Qwen2.5-VL-3B's shape made narrower
-# and shallower (hidden 1024, 20 layers, GQA 8:2, 32k vocabulary, 8 vision blocks): about 330M parameters.
+# and shallower (hidden 1024, 20 layers, GQA 16:4, 32k vocabulary, 8 vision blocks): about 330M parameters.
+# "bench-small" (72M) and "bench-large" (651M) bracket it for the sync's scaling (bench_trainer_sync.py).
 SCALES: dict[str, tuple[dict, dict]] = {
     "tiny": ({}, {}),
+    "bench-small": (
+        {
+            "vocab_size": 32768,
+            "hidden_size": 512,
+            "intermediate_size": 1408,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+        },
+        {"depth": 4, "hidden_size": 256, "intermediate_size": 512, "num_heads": 4, "out_hidden_size": 512},
+    ),
     "bench": (
         {
             "vocab_size": 32768,
@@ -203,6 +215,17 @@ SCALES: dict[str, tuple[dict, dict]] = {
             "num_key_value_heads": 4,
         },
         {"depth": 8, "hidden_size": 512, "intermediate_size": 1024, "num_heads": 8, "out_hidden_size": 1024},
+    ),
+    "bench-large": (
+        {
+            "vocab_size": 32768,
+            "hidden_size": 1536,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 20,
+            "num_attention_heads": 24,
+            "num_key_value_heads": 4,
+        },
+        {"depth": 8, "hidden_size": 768, "intermediate_size": 1536, "num_heads": 12, "out_hidden_size": 1536},
     ),
 }
 
