@@ -22,13 +22,10 @@ ActorPPOTrainer does the sync, timed inside the trainer actor, the call OpenRLHF
   as upstream_broadcast_to_vllm): per parameter a ZeRO-3 gather, one `update_weight` Ray call to the
   engine actor and a broadcast over its weight-sync group, received by OpenRLHF's WorkerWrap.update_weight,
   which hands the tensor to vLLM's load_weights.
-Upstream's path runs on CPU with four answers (UPSTREAM_ON_CPU), each in place of something only a GPU
-has, none changing what is sent or loaded: its weight-sync group is a gloo group (vLLM's stateless torch
-group) instead of PyNccl (no CPU path: it disables itself and broadcasts nothing); torch.cuda
-.current_stream() returns None (the stream argument gloo ignores); WorkerWrap.update_weight's receive
-buffer is made on "cpu" instead of "cuda"; and the engine computes its linears with vLLM-CPU's fallback
-GEMM (plain_cpu_gemm, a vLLM plugin), because vLLM-CPU packs linear weights for oneDNN after loading,
-which leaves load_weights nothing to write to. The engine is the same for every row.
+Upstream's path runs on CPU with four answers, none changing what is sent or loaded
+(testing/upstream_on_cpu.py): a gloo weight-sync group for PyNccl, current_stream() -> None, a CPU receive
+buffer, and the engine's linears on vLLM-CPU's fallback GEMM (vLLM-CPU otherwise packs linear weights for
+oneDNN after loading, which leaves load_weights nothing to write to). The engine is the same for every row.
 Checks: before each row the engine must differ from the policy and after it match it: its prompt log-probs
 against the trainer's own HF forward of the policy (probe.py's functions; threshold 0.1 for bf16 engines),
 so a row that leaves the engine stale stops the run.
@@ -57,118 +54,20 @@ from pathlib import Path
 
 import psutil
 
+from openrlhf_lora_sync.testing import upstream_on_cpu
+
 SIZES = ("bench-small", "bench", "bench-large")
 TRANSPORTS = ("broadcast", "shm")
 STARTED = time.perf_counter()
 # A stand-in training step: lora_B moves by seeded noise of this scale. Large enough that the engine before
 # a sync is measurably stale (the check's negative control), as a few real steps at lr 1e-5 would be.
 NUDGE_SCALE = 5e-3
-UPSTREAM_ON_CPU = (
-    "weight-sync group: gloo (vLLM's stateless torch group) instead of PyNccl",
-    "torch.cuda.current_stream() -> None",
-    "WorkerWrap.update_weight's receive buffer on cpu instead of cuda",
-    "the engine's linears on vLLM-CPU's fallback GEMM (F.linear over the weight parameter) instead of a "
-    "oneDNN-packed copy that load_weights cannot update (every row: same engine)",
-)
 
 
 def progress(message: str) -> None:
     print(
         f"[bench_trainer_sync +{time.perf_counter() - STARTED:.0f}s] {message}", file=sys.stderr, flush=True
     )
-
-
-# --------------------------------------------------------------------------- upstream's path on CPU
-
-
-class GlooWeightSyncGroup:
-    """What OpenRLHF's stateless_init_process_group returns (PyNcclCommunicator), on gloo: the same
-    arguments, and `broadcast(tensor, src, stream)`."""
-
-    def __init__(self, master_address, master_port, rank, world_size, device=None) -> None:
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-        self.group = stateless_init_torch_distributed_process_group(
-            master_address, master_port, rank, world_size, "gloo"
-        )
-
-    def broadcast(self, tensor, src: int, stream=None) -> None:
-        self.group.broadcast(tensor, root=src).wait()
-
-
-class _CudaFactoriesOnCpu:
-    """A TorchFunctionMode making tensors asked for on "cuda" on "cpu" (only while it is entered)."""
-
-    def __new__(cls):
-        from torch.overrides import TorchFunctionMode
-
-        class Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if str(kwargs.get("device", "")).startswith("cuda"):
-                    kwargs = {**kwargs, "device": "cpu"}
-                return func(*args, **kwargs)
-
-        return Mode()
-
-
-def _install_current_stream_none() -> None:
-    from openrlhf_lora_sync.patch.cpu_standins import torch_cuda_answer
-
-    torch_cuda_answer("current_stream", None)()
-
-
-def upstream_trainer_on_cpu() -> None:
-    """In the trainer actor: upstream's weight-sync group on gloo, current_stream() -> None."""
-    from openrlhf.trainer.ray import ppo_actor
-
-    ppo_actor.stateless_init_process_group = GlooWeightSyncGroup
-    _install_current_stream_none()
-
-
-def upstream_worker_on_cpu(worker) -> None:
-    """In each vLLM worker (run through collective_rpc): the same group, and update_weight (upstream's
-    WorkerWrap method, unchanged) receiving into a CPU buffer."""
-    from openrlhf.utils import distributed_util
-
-    distributed_util.stateless_init_process_group = GlooWeightSyncGroup
-    _install_current_stream_none()
-    worker = getattr(worker, "worker", worker)  # vLLM passes its wrapper, which forwards names to the worker
-    upstream_update_weight = type(worker).update_weight
-
-    @functools.wraps(upstream_update_weight)
-    def update_weight(*args, **kwargs):
-        with _CudaFactoriesOnCpu():
-            return upstream_update_weight(worker, *args, **kwargs)
-
-    worker.update_weight = update_weight
-
-
-PLUGIN = "openrlhf_lora_sync.tools.bench_trainer_sync:plain_cpu_gemm"
-
-
-def plain_cpu_gemm() -> None:
-    """A vLLM general plugin (run by vLLM in each of its processes, before the model loads): vLLM-CPU's
-    linears and lm_head compute with its fallback GEMM (F.linear over the weight parameter, as on a CPU
-    without oneDNN) instead of a oneDNN- or AMX-packed copy. Packing drops each linear's weight parameter
-    (lm_head keeps its own but no longer reads it), so upstream's load_weights, which writes parameters in
-    place and never repacks, has nothing to write to; the patch's layerwise reload repacks and works
-    either way. Installed for every row (same engine) by vllm_plugin_path."""
-    from vllm import _custom_ops
-    from vllm.model_executor.layers import utils
-
-    _custom_ops._supports_onednn = False
-    utils.check_cpu_sgl_kernel = lambda n, k, dtype: False
-
-
-def vllm_plugin_path(workdir: Path) -> Path:
-    """A directory that, on PYTHONPATH, registers plain_cpu_gemm under vLLM's plugin entry-point group
-    (a distribution's metadata, which importlib.metadata finds on the import path)."""
-    dist_info = workdir / "vllm-plugin" / "bench_plain_cpu_gemm-0.dist-info"
-    dist_info.mkdir(parents=True, exist_ok=True)
-    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: bench-plain-cpu-gemm\nVersion: 0\n")
-    (dist_info / "entry_points.txt").write_text(f"[vllm.general_plugins]\nbench_plain_cpu_gemm = {PLUGIN}\n")
-    return dist_info.parent
 
 
 # --------------------------------------------------------------------------- the trainer actor
@@ -212,7 +111,8 @@ def bench_policy_actor():
 
     class BenchPolicyActor(PolicyModelActor.__ray_metadata__.modified_class):
         def __init__(self, *args, **kwargs):
-            upstream_trainer_on_cpu()  # before init_model_from_pretrained forms upstream's sync group
+            # before init_model_from_pretrained forms upstream's weight-sync group
+            upstream_on_cpu.upstream_trainer_on_cpu()
             super().__init__(*args, **kwargs)
 
         def bench_sync(self, path: str, env: dict) -> dict:
@@ -340,7 +240,7 @@ def start_engine(args):
         remote_rm_url=args.reward.remote_url,
         max_images_per_prompt=args.data.max_images_per_prompt,
     )
-    ray.get([engine.lora_sync_rpc.remote(upstream_worker_on_cpu) for engine in engines])
+    ray.get([engine.lora_sync_rpc.remote(upstream_on_cpu.upstream_worker_on_cpu) for engine in engines])
     return engines
 
 
@@ -517,7 +417,10 @@ def ray_cluster(workdir: Path):
     os.environ.update(cpu_standins.DS_ACCELERATOR_ENV)
     runtime_env = ray_runtime_env()
     runtime_env["env_vars"].update(cpu_standins.DS_ACCELERATOR_ENV)
-    python_path = [str(vllm_plugin_path(workdir)), *filter(None, [os.environ.get("PYTHONPATH")])]
+    python_path = [
+        str(upstream_on_cpu.vllm_plugin_path(workdir)),
+        *filter(None, [os.environ.get("PYTHONPATH")]),
+    ]
     runtime_env["env_vars"]["PYTHONPATH"] = os.pathsep.join(python_path)
     ray.init(address="local", runtime_env=runtime_env, num_gpus=2, num_cpus=4, include_dashboard=False)
     try:
@@ -565,7 +468,7 @@ def main(argv=None) -> None:
             wait_for_memory(available)
         result = {
             "sizes": results,
-            "upstream_on_cpu": list(UPSTREAM_ON_CPU),
+            "upstream_on_cpu": list(upstream_on_cpu.ANSWERS),
             "load_average_1m": os.getloadavg()[0],
         }
         result["upstream_costs"] = upstream_costs(result)
