@@ -46,20 +46,18 @@ class GlooWeightSyncGroup:
         self.group.broadcast(tensor, root=src).wait()
 
 
-class _CudaFactoriesOnCpu:
-    """A TorchFunctionMode making tensors asked for on "cuda" on "cpu" (only while it is entered)."""
+def _cuda_factories_on_cpu():
+    """A TorchFunctionMode making tensors asked for on "cuda" on "cpu" while it is entered."""
+    from torch.overrides import TorchFunctionMode
 
-    def __new__(cls):
-        from torch.overrides import TorchFunctionMode
+    class CudaFactoriesOnCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs = {**kwargs, "device": "cpu"}
+            return func(*args, **kwargs)
 
-        class Mode(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                if str(kwargs.get("device", "")).startswith("cuda"):
-                    kwargs = {**kwargs, "device": "cpu"}
-                return func(*args, **kwargs)
-
-        return Mode()
+    return CudaFactoriesOnCpu()
 
 
 def _install_current_stream_none() -> None:
@@ -85,10 +83,11 @@ def upstream_worker_on_cpu(worker) -> None:
     _install_current_stream_none()
     worker = getattr(worker, "worker", worker)  # vLLM passes its wrapper, which forwards names to the worker
     upstream_update_weight = type(worker).update_weight
+    factories_on_cpu = _cuda_factories_on_cpu()
 
     @functools.wraps(upstream_update_weight)
     def update_weight(*args, **kwargs):
-        with _CudaFactoriesOnCpu():
+        with factories_on_cpu:
             return upstream_update_weight(worker, *args, **kwargs)
 
     worker.update_weight = update_weight
