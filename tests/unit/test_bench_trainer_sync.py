@@ -3,14 +3,15 @@ engine check that stops a row whose sync did not reach the engine. No Ray, no en
 
 Covers: fit_costs recovering known per-call and per-GiB costs, keeping both >= 0, refusing a single point;
 Check.around refusing a row when the engine already matched the policy before the sync (the
-check could not have failed) or does not match it after (the sync left the engine stale).
+check could not have failed) or does not match it after (the sync left the engine stale); the command
+line refusing bad values before any model is built.
 Does not cover: the benchmark itself (tests/test_bench_trainer_sync.py runs it at its smallest size).
 """
 
 from __future__ import annotations
 
 import pytest
-from openrlhf_lora_sync.tools.bench_trainer_sync import Check, fit_costs
+from openrlhf_lora_sync.tools.bench_trainer_sync import Check, fit_costs, parse_args
 
 FIT_CASES = [
     # 10 ms per call and 2 s per GiB, exactly: recovered from three sizes
@@ -63,3 +64,36 @@ def test_check_stops_the_run(diffs, message):
     with pytest.raises(SystemExit, match=message):
         ScriptedCheck(diffs).around("full", None, lambda: {}, change=lambda: changes.append(1))
     assert changes == [1]  # the policy moved first
+
+
+ARGUMENT_CASES = [
+    # a bucket the sync cannot use: the repo's own bucket setting refuses it
+    (["--bucket-mb", "0"], "--bucket-mb: expected an integer >= 1, got '0'"),
+    # not a number, second in the list
+    (["--bucket-mb", "32,x"], "--bucket-mb: expected an integer >= 1, got 'x'"),
+    # LoRA off: the recipe's rank check refuses it (the patch is for LoRA runs)
+    (["--rank", "0"], "--rank 0: ds.lora.rank: ds.lora.rank is 0 (LoRA off)"),
+    # a size the benchmark has no model for
+    (["--sizes", "bench,big"], "--sizes: big: expected one of bench-small, bench, bench-large"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), ARGUMENT_CASES)
+def test_bad_arguments_are_refused_before_anything_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_fixed_arguments_parse():  # the twin of every refused case above
+    args = parse_args(
+        ["--bucket-mb", "32,128", "--rank", "64", "--sizes", "bench,bench-small", "--repeats", "1"]
+    )
+    assert (args.bucket_mb, args.rank, args.sizes, args.repeats) == (
+        [32, 128],
+        64,
+        ["bench", "bench-small"],
+        1,
+    )

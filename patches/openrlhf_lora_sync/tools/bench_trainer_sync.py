@@ -57,6 +57,7 @@ import psutil
 from openrlhf_lora_sync.testing import upstream_on_cpu
 
 SIZES = ("bench-small", "bench", "bench-large")
+RECIPE = "smoke-cpu"
 TRANSPORTS = ("broadcast", "shm")
 STARTED = time.perf_counter()
 # A stand-in training step: lora_B moves by seeded noise of this scale. Large enough that the engine before
@@ -192,12 +193,15 @@ def recipe_args(model_dir: Path, layers: int, rank: int, engine_share: float):
         "algo.kl.init_coef=0",
         "vllm.enable_prefix_caching=false",
         f"vllm.gpu_memory_utilization={engine_share:.3f}",
-        f"ds.lora.rank={rank}",
-        f"ds.lora.alpha={2 * rank}",
+        *lora_overrides(rank),
         f"ds.lora.target_modules=[{', '.join(language_linears(layers))}]",
         "logger.wandb.mode=disabled",
     ]
-    return load_run("smoke-cpu", overrides).args
+    return load_run(RECIPE, overrides).args
+
+
+def lora_overrides(rank: int) -> list[str]:
+    return [f"ds.lora.rank={rank}", f"ds.lora.alpha={2 * rank}"]
 
 
 def without_lora(args):
@@ -446,12 +450,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--plot", help="write seconds against GiB moved to this PNG")
     args = parser.parse_args(argv)
     args.sizes = args.sizes.split(",")
-    args.bucket_mb = [int(b) for b in args.bucket_mb.split(",")]
     unknown = [s for s in args.sizes if s not in SIZES]
     if unknown:
-        parser.error(f"--sizes: {', '.join(unknown)}: expected of {', '.join(SIZES)}")
+        parser.error(f"--sizes: {', '.join(unknown)}: expected one of {', '.join(SIZES)}")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    # Refused here, not after the first model is built and its engine started: the bucket size by the
+    # repo's setting, the rank by the recipe's own checks.
+    from openrlhf_lora_sync.base.settings import SettingError, get
+    from openrlhf_lora_sync.config.recipe import RecipeError, load_run
+
+    try:
+        args.bucket_mb = [
+            get("sync.bucket_mb").parse(b, shown_as="--bucket-mb") for b in args.bucket_mb.split(",")
+        ]
+    except SettingError as error:
+        parser.error(str(error))
+    try:
+        load_run(RECIPE, lora_overrides(args.rank))
+    except RecipeError as error:
+        parser.error(f"--rank {args.rank}: {error}")
     return args
 
 
