@@ -91,7 +91,7 @@ class CountingEngine:
                 counts["ray_calls"] += 1
                 if method == "update_weight":
                     shape, dtype = kwargs["shape"], kwargs["dtype"]
-                    counts["bytes"] += _numel(shape) * dtype.itemsize
+                    counts["bytes"] += math.prod(shape) * dtype.itemsize
                 return remote_method.remote(*args, **kwargs)
 
         return Counted
@@ -398,12 +398,8 @@ def _parameter_count(model_dir: Path) -> int:
     for path in model_dir.glob("*.safetensors"):
         with safe_open(str(path), "pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                count += _numel(f.get_slice(name).get_shape())
+                count += math.prod(f.get_slice(name).get_shape())
     return count
-
-
-def _numel(shape) -> int:
-    return functools.reduce(int.__mul__, shape, 1)
 
 
 @contextlib.contextmanager
@@ -571,8 +567,8 @@ def estimate_27b(result: dict) -> dict | None:
         if kind == "upstream":  # one call per tensor
             calls = model["tensors"]
         else:  # one call per bucket, plus the calls a sync makes besides (as measured at the largest size)
-            measured = largest[f"{kind} broadcast {bucket} MiB"]
-            besides = measured["ray_calls"] - math.ceil(measured["bytes"] / (bucket << 20))
+            at_largest = largest[f"{kind} broadcast {bucket} MiB"]
+            besides = at_largest["ray_calls"] - math.ceil(at_largest["bytes"] / (bucket << 20))
             calls = math.ceil(nbytes / (bucket << 20)) + besides
         calls_s = calls * costs["seconds_per_call"]
         pcie_s = nbytes / (PCIE_GBPS * 1e9)
