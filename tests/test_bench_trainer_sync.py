@@ -7,8 +7,8 @@ buckets; a full sync the same bytes as upstream, a delta fewer), the trainer's p
 engine check after every row: stale before the sync (the negative control, the sync had something to do)
 and matching the policy's own HF forward after it. Timings are printed, never asserted. Also: the 27B
 estimate from two sizes of synthetic rows (its arithmetic and the published 27B config's counts).
-Does not cover: the two larger sizes (`--sizes bench-small,bench,bench-large`, about 25 minutes; the
-README's scaling table), GPUs.
+Does not cover: the two larger sizes (`--sizes bench-small,bench,bench-large`: docs/performance.md's
+scaling table, with its run time), GPUs.
 """
 
 from __future__ import annotations
