@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from openrlhf_lora_sync import QUIET_WARNINGS
 from openrlhf_lora_sync.tools import cpu_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +80,10 @@ def test_the_main_job_is_openrlhfs_trainer_and_learns_above_its_control(learn_ru
     assert "building the tiny random qwen2_5_vl checkpoint" in log
     assert "weight sync: full (first sync)" in log and "weight sync: delta" in log
     assert "weight sync: skipped (sync.stale_engine_control" in log  # the control's engine stays stale
+    # Third-party warnings that ask nothing of the user: silenced in every process, vLLM's included (a
+    # warning line shows its message, and the file of the module it is attributed to).
+    for message, _, module in QUIET_WARNINGS:
+        assert (message or module.replace(".", "/") + ".py:") not in log
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ok"]
     assert summary["reward_last"] - summary["reward_first"] > MIN_RISE

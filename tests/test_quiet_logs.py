@@ -10,7 +10,12 @@ Covers:
   still shows: the filter drops only the layers a sync leaves alone on purpose (tests/test_faults.py's
   dropped-bucket tests check the raise end to end through the transport);
 - exit: a process that ran an in-process engine prints no "nanobind: leaked" report with
-  quiet_exit.silence_nanobind_leak_report, and prints it without (the control).
+  quiet_exit.silence_nanobind_leak_report, and prints it without (the control);
+- third-party warnings (QUIET_WARNINGS, in the package's __init__): the calls that raise them in a run
+  (torch.cuda's import, DeepSpeed's torch.distributed collectives, OpenRLHF's dataloader on CPU) warn in a
+  fresh interpreter (the control), and none does under python_warnings() as PYTHONWARNINGS (what Ray
+  workers and the vLLM processes they start get from the launcher) or after importing the package; the
+  user's own PYTHONWARNINGS entries are kept, last (tests/test_cpu_run.py checks the main job's whole log).
 Does not cover: OpenRLHF's Ray engine actors (the trainer's Ray engine handles are swapped for the
 in-process sync.LocalEngines, the same Engines protocol; tests/test_openrlhf_patch.py drives the actors);
 engines whose core runs in its own process (tests/test_bench_sync.py checks the benchmark's stderr).
@@ -20,12 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from openrlhf_lora_sync.patch import openrlhf_patch
+from openrlhf_lora_sync import python_warnings
+from openrlhf_lora_sync.patch import launch, openrlhf_patch
 from openrlhf_lora_sync.sync import worker_extension
 from openrlhf_lora_sync.sync.merge import iter_effective_checkpoint_tensors, sync_units
 from openrlhf_lora_sync.sync.sync import LocalEngines
@@ -156,3 +163,56 @@ def test_a_process_that_ran_an_engine_exits_without_the_nanobind_report(switch, 
         assert report == []
     else:
         assert report, "no nanobind report without the switch: the control proves nothing here"
+
+
+# Each QUIET_WARNINGS entry raised the way a run raises it.
+WARNING_TRIGGERS = """
+import sys
+import torch  # torch.cuda imports pynvml
+import torch.distributed as dist
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+dist.all_gather_into_tensor(torch.empty(4), torch.ones(4))  # as DeepSpeed's ZeRO-3 gathers
+dist.reduce_scatter_tensor(torch.empty(4), torch.ones(4))  # and reduces its gradients
+dist.destroy_process_group()
+list(StatefulDataLoader([1, 2], pin_memory=True))  # OpenRLHF's dataloader, no accelerator
+"""
+WARNING_TEXTS = (
+    "The pynvml package is deprecated",
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
+    "`torch.distributed.reduce_scatter_tensor` is deprecated",
+    "'set_vital' is deprecated",
+    "'pin_memory' argument is set as true but no accelerator is found",
+)
+
+
+def _warnings_printed(tmp_path, prelude: str, pythonwarnings: str | None) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    if pythonwarnings is not None:
+        env["PYTHONWARNINGS"] = pythonwarnings
+    store = tmp_path / f"store-{len(list(tmp_path.iterdir()))}"
+    done = subprocess.run(
+        [sys.executable, "-c", prelude + WARNING_TRIGGERS, str(store)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [text for text in WARNING_TEXTS if text in done.stderr]
+
+
+def test_third_party_warnings_are_silenced_in_every_process(tmp_path):
+    assert _warnings_printed(tmp_path, "", None) == list(WARNING_TEXTS)  # the control: all of them warn
+    assert _warnings_printed(tmp_path, "", python_warnings()) == []  # a vLLM process started by a worker
+    assert _warnings_printed(tmp_path, "import openrlhf_lora_sync\n", None) == []  # a process of the patch
+
+
+def test_the_users_pythonwarnings_are_kept_last(monkeypatch):
+    ours = python_warnings().split(",")
+    assert python_warnings("error::DeprecationWarning").split(",") == [*ours, "error::DeprecationWarning"]
+    monkeypatch.setenv("PYTHONWARNINGS", "default")
+    assert launch.ray_runtime_env()["env_vars"]["PYTHONWARNINGS"] == python_warnings("default")
+    monkeypatch.delenv("PYTHONWARNINGS")
+    assert launch.ray_runtime_env()["env_vars"]["PYTHONWARNINGS"] == python_warnings()

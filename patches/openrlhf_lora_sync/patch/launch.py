@@ -24,6 +24,8 @@ import sys
 import uuid
 from pathlib import Path
 
+from openrlhf_lora_sync import python_warnings
+
 SETUP_HOOK = "openrlhf_lora_sync.patch.openrlhf_patch.apply"
 FORWARDED_PREFIXES = ("LORA_SYNC_", "REWARD_", "WANDB_", "HF_", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_")
 # What train_ppo_ray's own ray.init would set; it skips its init when Ray is already up.
@@ -37,6 +39,8 @@ OPENRLHF_RAY_ENV_DEFAULTS = {
 def ray_runtime_env() -> dict:
     env_vars = {name: os.environ.get(name, default) for name, default in OPENRLHF_RAY_ENV_DEFAULTS.items()}
     env_vars.update({k: v for k, v in os.environ.items() if k.startswith(FORWARDED_PREFIXES)})
+    # vLLM's engine and worker processes import torch before this package: they are quieted at start-up.
+    env_vars["PYTHONWARNINGS"] = python_warnings(os.environ.get("PYTHONWARNINGS"))
     return {"worker_process_setup_hook": SETUP_HOOK, "env_vars": env_vars}
 
 
