@@ -38,12 +38,17 @@ def _print_distributions():
     for fault, family, result in PROBE_DIFFS:
         print(
             f"probe {fault:>26} {family:>8}: max abs diff {result.max_abs_diff:.3g}, "
-            f"mean {result.mean_abs_diff:.3g}, {result.seconds:.3f} s"
+            f"mean {result.mean_abs_diff:.3g}, {result.ratio:.3g}x its floor ({result.verdict}), "
+            f"{result.seconds:.3f} s"
         )
 
 
+# Each setup's floor, measured before its first sync (the engine then holds the checkpoint), by policy.
+FLOORS: dict[int, probe.ProbeFloor] = {}
+
+
 def probed(policy, engines, family: str, label: str) -> probe.ProbeResult:
-    result = probe.run_probe(policy, engines, FAMILIES[family].dtype)
+    result = probe.run_probe(policy, engines, FAMILIES[family].dtype, FLOORS[id(policy)])
     PROBE_DIFFS.append((label, family, result))
     return result
 
@@ -67,6 +72,7 @@ def setup(tiny_model_dir, tiny_engine):
         engines = LocalEngines(tiny_engine(family))
         state = SyncState()
         dtype = getattr(torch, FAMILIES[family].dtype)
+        FLOORS[id(policy)] = probe.calibrate(policy, engines, FAMILIES[family].dtype)
         sync_weights(policy, engines, state, dtype=dtype, bucket_bytes=SMALL_BUCKET)
         assert_probe_passes(policy, engines, family, "none (full sync)")
         return policy, engines, state, dtype
@@ -199,30 +205,59 @@ def test_prefix_cache_reset_is_checked_since_prompt_logprobs_never_read_it(setup
     assert _cached_tokens(llm, prompt) == 0  # the sync's reset emptied it
 
 
-def test_patched_sync_probe_logs_metrics_and_stops_on_a_stale_engine(setup, training_step):
-    """openrlhf_patch's post-sync step (what lora_broadcast_to_vllm runs every LORA_SYNC_PROBE_EVERY syncs)
-    on in-process engines: the probe's numbers reach the logged metrics, and a stale engine raises."""
+def _trainer(policy, floor=None):
+    """What openrlhf_patch's probe reads of an ActorPPOTrainer: the policy, its args, the probe's floor."""
     from types import SimpleNamespace
 
+    return SimpleNamespace(
+        actor=SimpleNamespace(model=SimpleNamespace(module=policy)),
+        strategy=SimpleNamespace(args=SimpleNamespace()),
+        _lora_sync_probe_floor=floor,
+    )
+
+
+def test_patched_sync_probe_logs_metrics_and_stops_on_a_stale_engine(setup, training_step):
+    """openrlhf_patch's post-sync step (what lora_broadcast_to_vllm runs every LORA_SYNC_PROBE_EVERY syncs)
+    on in-process engines: the probe's numbers and its floor reach the logged metrics, and a stale engine
+    raises."""
     from openrlhf_lora_sync.patch.openrlhf_patch import _probe_after_sync
 
     policy, engines, state, dtype = setup()
-    trainer = SimpleNamespace(
-        actor=SimpleNamespace(model=SimpleNamespace(module=policy)),
-        strategy=SimpleNamespace(args=SimpleNamespace()),
-    )
+    trainer = _trainer(policy, FLOORS[id(policy)])
     stats = sync_weights(policy, engines, state, dtype=dtype)
     _probe_after_sync(trainer, engines, stats, rank=0, distributed=False)
     metrics = stats.as_metrics()
-    assert metrics["sync/probe_max_abs_diff"] <= probe.PROBE_THRESHOLD["float32"]
+    assert metrics["sync/probe_verdict"] == 0 and metrics["sync/probe_ratio"] <= probe.WARN_RATIO
     assert 0 <= metrics["sync/probe_mean_abs_diff"] <= metrics["sync/probe_max_abs_diff"]
+    assert metrics["sync/probe_floor_max"] == FLOORS[id(policy)].max_abs_diff
     assert metrics["sync/probe_seconds"] > 0
 
     training_step(policy)
     with pytest.raises(probe.ProbeFailed, match="sleep level 2") as failure:
         _probe_after_sync(trainer, engines, stats, rank=0, distributed=False)
-    assert stats.probe_max_abs_diff > probe.PROBE_THRESHOLD["bfloat16"]
+    assert stats.probe["probe_verdict"] == 2 and stats.probe["probe_ratio"] > probe.FAIL_RATIO
     assert "weight sync: delta" in str(failure.value)
+
+
+def test_without_a_floor_the_first_sync_sets_it_unless_its_reading_is_not_noise(setup):
+    """Sleep level 2 (no checkpoint left to measure a floor against): the first sync's reading becomes the
+    floor; an engine whose weights are garbage at that sync is refused instead of calibrated on."""
+    from openrlhf_lora_sync.patch.openrlhf_patch import _probe_after_sync
+
+    policy, engines, state, dtype = setup()
+    trainer = _trainer(policy)
+    stats = sync_weights(policy, engines, state, dtype=dtype)
+    _probe_after_sync(trainer, engines, stats, rank=0, distributed=False)
+    assert trainer._lora_sync_probe_floor.source == "first sync" and stats.probe["probe_ratio"] <= 1.0
+
+    garbage = [
+        (name, torch.randn_like(tensor))
+        for _, group in iter_effective_checkpoint_tensors(policy, sync_units(policy), dtype)
+        for name, tensor in group.items()
+    ]
+    engines.rpc("load_weights_in_place", garbage)
+    with pytest.raises(probe.ProbeFailed, match="not noise"):
+        _probe_after_sync(_trainer(policy), engines, stats, rank=0, distributed=False)
 
 
 @pytest.mark.slow
@@ -248,4 +283,5 @@ def test_verify_sync_fault_flag(fault, tiny_model_dir):
     assert proc.returncode == 0 and result["fault"] == fault
     assert result["detected"] and result["recovered"]
     diffs = result["probe_max_abs_diff"]
-    assert diffs["correct"] <= result["threshold"] and diffs["recovered"] <= result["threshold"]
+    ratios = result["probe_ratio"]
+    assert max(ratios["correct"], ratios["recovered"]) <= result["fail_ratio"], (diffs, ratios)

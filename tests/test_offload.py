@@ -134,7 +134,7 @@ def _one_run(model_dir: str, llm, pinned: set, offload: bool) -> dict:
     initial_lora = _lora_state(engine.module)
     engines = LocalEngines(llm)
     state = SyncState()
-    token_ids = probe.probe_token_ids(QWEN3_CONFIG["vocab_size"])
+    token_ids = probe.byte_token_ids(QWEN3_CONFIG["vocab_size"], 32)
     syncs = {}
     for step, sync_name in ((1, "full"), (2, "delta")):
         cpu_deepspeed.train_step(model, strategy, optimizer, scheduler, QWEN3_CONFIG["vocab_size"], seed=step)
@@ -169,7 +169,7 @@ def run_worker(model_dir: str, out: str) -> None:
 
     # The engine core first, in its own process, before this one joins a process group.
     llm = start_engine(model_dir, "float32", multiprocess=True)
-    unsynced = vllm_prompt_logprobs(llm, probe.probe_token_ids(QWEN3_CONFIG["vocab_size"]))
+    unsynced = vllm_prompt_logprobs(llm, probe.byte_token_ids(QWEN3_CONFIG["vocab_size"], 32))
     cpu_deepspeed.init_cpu_process()
     openrlhf_patch.apply()
     cpu_deepspeed.use_torch_adam()

@@ -98,7 +98,7 @@ def test_delta_syncs_log_one_summary_line_each_and_no_reload_warning(patched_tra
             if step:
                 nudge_adapters(policy, seed=step)
             openrlhf_patch.lora_broadcast_to_vllm(trainer)
-            probe_diffs.append(trainer._lora_sync_last_stats.probe_max_abs_diff)
+            probe_diffs.append(trainer._lora_sync_last_stats.probe.get("probe_max_abs_diff"))
     summaries = log.summaries()
     assert None not in probe_diffs
     print(f"{len(summaries)} summary lines, last: {summaries[-1]}; probe max abs diff {max(probe_diffs):.3g}")

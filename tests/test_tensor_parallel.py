@@ -71,19 +71,21 @@ def test_full_then_delta_sync_into_a_tp2_engine(transport, tp_engine, tiny_model
     # A different policy per case: the engine holds the previous case's, which must not pass for this one.
     policy = lora_policy(tiny_model_dir("qwen3"), seed=transport == "broadcast")
     state = SyncState()
-    assert probe.run_probe(policy, engines, "float32").max_abs_diff > 10 * LOGPROB_TOLERANCE["float32"]
+    # The engine holds the previous case's policy, not the checkpoint: no floor to measure, the fixed one.
+    floor = probe.fixed_floor(probe.byte_token_ids(policy.config.vocab_size, 32), "float32")
+    assert probe.run_probe(policy, engines, "float32", floor).max_abs_diff > 10 * LOGPROB_TOLERANCE["float32"]
 
     full = sync_weights(policy, engines, state, dtype=torch.float32, transport=send)
-    after_full = probe.run_probe(policy, engines, "float32")
+    after_full = probe.run_probe(policy, engines, "float32", floor)
     nudge_adapters(policy, seed=1, scale=STEP_SCALE)
-    stale = probe.run_probe(policy, engines, "float32")
+    stale = probe.run_probe(policy, engines, "float32", floor)
     delta = sync_weights(policy, engines, state, dtype=torch.float32, transport=send)
-    after_delta = probe.run_probe(policy, engines, "float32")
+    after_delta = probe.run_probe(policy, engines, "float32", floor)
 
     assert (full.mode, delta.mode) == ("full", "delta")
     assert after_full.ok and after_delta.ok, (after_full, after_delta)
     assert not stale.ok, stale  # the probe catches an engine one step behind, on both shards
-    token_ids = probe.probe_token_ids(policy.config.vocab_size)
+    token_ids = floor.token_ids
     merged = policy.merge_and_unload().eval()  # the HF reference, independent of the probe's own code
     engine_logprobs = probe.engine_prompt_logprobs(engines, token_ids)[0]
     assert (

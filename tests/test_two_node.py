@@ -78,7 +78,7 @@ class TrainerSide:
             "mode": stats.mode,
             "transport": stats.transport,
             "line": str(stats),
-            "probe": stats.probe_max_abs_diff,
+            "probe": stats.probe.get("probe_max_abs_diff"),
             "broadcast_group": isinstance(group, BroadcastTransport),
             "nodes": self.trainer._lora_sync_nodes,
             "seconds": time.perf_counter() - start,

@@ -162,7 +162,8 @@ SETTINGS: tuple[Setting, ...] = (
         "LORA_SYNC_PROBE_THRESHOLD",
         float,
         None,
-        "the probe's max abs logprob difference; default probe.PROBE_THRESHOLD for the engine dtype",
+        "a fixed threshold on the probe's max abs logprob difference, in place of the ratio to the floor "
+        "measured before the first sync (probe.py); null: the ratio",
         minimum=0,
     ),
     Setting(

@@ -27,8 +27,9 @@ What it changes:
 
 Settings: read from the environment with settings.read (the launcher forwards LORA_SYNC_* to every Ray
 worker); each one's recipe key, variable, type, choices, default and effect is in settings.SETTINGS.
-The probe (sync.probe_every, sync.probe_threshold) logs sync/probe_max_abs_diff, sync/probe_mean_abs_diff
-and sync/probe_seconds and stops the run with ProbeFailed above the threshold.
+The probe (sync.probe_every, sync.probe_threshold; probe.py): its floor is measured once, before the first
+sync; each probe logs sync/probe_* (reading, floor, ratio, verdict), warns above WARN_RATIO and stops the run
+with ProbeFailed above FAIL_RATIO.
 
 Transport (sync.transport=auto, settings.resolved_transport): broadcast when any engine actor's Ray
 node id differs from trainer rank 0's (shared memory and CUDA IPC reach only this node; asked once, at
@@ -201,6 +202,10 @@ def lora_broadcast_to_vllm(self) -> None:
         sync, mode_kwargs = sync_adapter, {}
     else:
         sync, mode_kwargs = sync_weights, {"force_full": force_full}
+    probing = settings.read("sync.probe_every") > 0
+    if probing and getattr(self, "_lora_sync_count", 0) == 0 and sleep_level() != 2:
+        # Before the first sync the engines still hold the checkpoint: the probe's noise floor, once a run.
+        self._lora_sync_probe_floor = _calibrate_probe(self, engines, rank, distributed)
     stats = sync(
         self.actor.model.module,
         engines,
@@ -214,8 +219,7 @@ def lora_broadcast_to_vllm(self) -> None:
     )
     stats.transport = transport_name
     self._lora_sync_count = getattr(self, "_lora_sync_count", 0) + 1
-    every = settings.read("sync.probe_every")
-    if every > 0 and self._lora_sync_count % every == 0:
+    if probing and self._lora_sync_count % settings.read("sync.probe_every") == 0:
         try:
             _probe_after_sync(self, engines, stats, rank, distributed)
         except probe.ProbeFailed:
@@ -229,43 +233,112 @@ def lora_broadcast_to_vllm(self) -> None:
         torch.distributed.barrier()
 
 
-def _probe_after_sync(trainer, engines, stats, rank: int, distributed: bool) -> None:
-    """Post-sync probe (probe.py) against `engines` (RayEngines, or sync.LocalEngines in tests): fills the
-    stats' probe fields on every rank and raises ProbeFailed on every rank when the engines do not compute
-    the policy (a raise on rank 0 alone would leave the other ranks waiting at the sync's barrier). Under
-    ZeRO-3 the policy's forward is collective, so every rank runs it; otherwise rank 0 alone does. With
-    vLLM sleep mode OpenRLHF wakes only the engines' weights for the sync; the probe needs the KV cache,
-    so it wakes that now rather than at the next rollout (vLLM's wake_up skips what is awake already),
-    which keeps it allocated during the rest of the sync. Not run on GPUs yet."""
-    import time
+# OpenRLHF's engines run in bf16 (create_vllm_engines hardcodes it); the probe's floors are per dtype.
+ENGINE_DTYPE = "bfloat16"
 
+
+def _wake_for_probe(trainer, engines) -> None:
+    """With vLLM sleep mode OpenRLHF wakes only the engines' weights for the sync; a forward needs the KV
+    cache, so the probe wakes it now rather than at the next rollout (vLLM's wake_up skips what is awake)."""
+    import ray
+
+    if getattr(getattr(trainer.strategy.args, "vllm", None), "enable_sleep", False):
+        ray.get([actor.wake_up.remote(tags=["kv_cache"]) for actor in engines.actors])
+
+
+def _shared(value, distributed: bool):
+    """Rank 0's `value` on every rank."""
     import torch
+
+    shared = [value]
+    if distributed:
+        torch.distributed.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def _probe_tokens(trainer, engines, rank: int, distributed: bool) -> list[int]:
+    from openrlhf_lora_sync.sync import probe
+
+    if rank != 0:
+        return _shared(None, distributed)
+    _wake_for_probe(trainer, engines)
+    return _shared(probe.probe_token_ids(engines, trainer.actor.model.module), distributed)
+
+
+def _policy_logprobs(model, token_ids, rank: int, base: bool = False):
+    """The policy's probe logprobs where they are needed: on every rank when ZeRO-3 partitions the
+    parameters (the forward is collective), else on rank 0 alone."""
+    from openrlhf_lora_sync.sync import probe
+
+    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
+    return probe.policy_prompt_logprobs(model, token_ids, base=base) if partitioned or rank == 0 else None
+
+
+def _calibrate_probe(trainer, engines, rank: int, distributed: bool):
+    """The probe's tokens and floor (probe.py), before the first sync, on every rank: the engines as loaded
+    from the checkpoint against the policy with its adapters switched off. Logged once."""
+    import dataclasses
+
+    from openrlhf_lora_sync.sync import probe
+
+    model = trainer.actor.model.module
+    token_ids = _probe_tokens(trainer, engines, rank, distributed)
+    policy = _policy_logprobs(model, token_ids, rank, base=True)
+    floor = None
+    if rank == 0:
+        floor = probe.measure_floor(policy, probe.engine_prompt_logprobs(engines, token_ids), token_ids)
+        threshold = settings.read("sync.probe_threshold")
+        if threshold is not None:
+            floor = dataclasses.replace(floor, threshold=threshold)
+        logger.info(
+            "post-sync probe: %d tokens, %s; it warns above %gx the floor and stops the run above %gx",
+            len(token_ids) - floor.scored_from,
+            floor.describe(),
+            probe.WARN_RATIO,
+            probe.FAIL_RATIO,
+        )
+    return _shared(floor, distributed)
+
+
+def _probe_after_sync(trainer, engines, stats, rank: int, distributed: bool) -> None:
+    """Post-sync probe (probe.py) against `engines` (RayEngines, or sync.LocalEngines in tests) and the
+    floor _calibrate_probe measured; without one (sleep level 2 discards the checkpoint before the first
+    sync) the first sync's reading becomes the floor when it is plausible as noise. Fills the stats' probe
+    numbers on every rank, warns (rank 0) between WARN_RATIO and FAIL_RATIO, and raises ProbeFailed on
+    every rank above (a raise on rank 0 alone would leave the other ranks waiting at the sync's barrier).
+    The KV cache it wakes stays allocated for the rest of the sync. Not run on GPUs yet."""
+    import time
 
     from openrlhf_lora_sync.sync import probe
     from openrlhf_lora_sync.sync.adapter_mode import AdapterSyncState
 
     model = trainer.actor.model.module
     start = time.perf_counter()
-    token_ids = probe.probe_token_ids(probe.policy_vocab_size(model))
-    partitioned = any(hasattr(p, "ds_id") for p in model.parameters())
-    policy = probe.policy_prompt_logprobs(model, token_ids) if partitioned or rank == 0 else None
-    shared = [None]
+    floor = getattr(trainer, "_lora_sync_probe_floor", None)
+    token_ids = floor.token_ids if floor else _probe_tokens(trainer, engines, rank, distributed)
+    policy = _policy_logprobs(model, token_ids, rank)
+    outcome = None
     if rank == 0:
-        import ray
-
-        if getattr(getattr(trainer.strategy.args, "vllm", None), "enable_sleep", False):
-            ray.get([actor.wake_up.remote(tags=["kv_cache"]) for actor in engines.actors])
+        _wake_for_probe(trainer, engines)
         state = getattr(trainer, "_lora_sync_state", None)
         lora_request = state.lora_request() if isinstance(state, AdapterSyncState) else None
         engine = probe.engine_prompt_logprobs(engines, token_ids, lora_request)
-        threshold = settings.read("sync.probe_threshold") or probe.PROBE_THRESHOLD["bfloat16"]
-        shared[0] = probe.compare(policy, engine, threshold, time.perf_counter() - start)
-    if distributed:
-        torch.distributed.broadcast_object_list(shared, src=0)
-    result = shared[0]
-    stats.probe_max_abs_diff = result.max_abs_diff
-    stats.probe_mean_abs_diff = result.mean_abs_diff
-    stats.probe_seconds = result.seconds
+        try:
+            if floor is None:
+                threshold = settings.read("sync.probe_threshold")
+                floor = probe.fixed_floor(token_ids, ENGINE_DTYPE, threshold)
+                if threshold is None:
+                    floor = probe.first_sync_floor(probe.judge(policy, engine, floor, ENGINE_DTYPE, 0.0))
+            outcome = probe.judge(policy, engine, floor, ENGINE_DTYPE, time.perf_counter() - start), floor
+        except probe.ProbeFailed as failed:
+            outcome = str(failed), None
+    result, floor = _shared(outcome, distributed)
+    if isinstance(result, str):
+        raise probe.ProbeFailed(result)
+    trainer._lora_sync_probe_floor = floor
+    stats.probe = result.as_metrics()
+    if result.verdict == "warn" and rank == 0:
+        logger.warning("%s", probe.warning_message(result, str(stats)))
     probe.check(result, str(stats))
 
 

@@ -1,37 +1,29 @@
 """The post-sync probe: does the engine now compute the policy the trainer just synced?
 
-Covers: a fixed short probe (PROBE_LENGTH token ids from a seeded generator, in the byte range that
-every Qwen tokenizer has, capped to the vocabulary); the engine's prompt logprobs on it (in-process
-vLLM `LLM`s, or OpenRLHF's engine actors through their `generate`), the policy's own logprobs on the
-same ids (a peft model's forward equals the merged model's, so no merge is needed), their max and mean
-absolute difference per engine, a per-dtype threshold, and `ProbeFailed` naming the likely causes.
+Covers: the probe's tokens (a fixed prefix of byte-range ids and the engine's greedy continuation of it,
+so most scored tokens are ones the model finds likely, where bf16 rounding of the logits matters least);
+the noise floor (the same comparison with no sync involved: the engine as loaded from the checkpoint
+against the policy with its adapters switched off, which is the base model), measured once per run; the
+engine's and the policy's prompt logprobs on the probe, their max and mean absolute difference, and the
+verdict against the floor (`judge`): ok, warn, or fail with `ProbeFailed` naming the likely causes.
 Text only: for VLMs the probe checks the language model, not the vision tower (verify_sync.py checks
 that with an image prompt).
 
-Cost: one teacher-forced forward of PROBE_LENGTH tokens on the trainer and one prompt-logprob request
-per engine. Measured on 2 CPU cores with the tiny models, right after a sync, machine otherwise idle:
-0.02 s per probe on Qwen3 and Qwen2.5-VL in fp32 (policy 7-9 ms, engine 9-12 ms), 0.1 s on Qwen3.5 in
-bf16; 0.4-1.4 s median and up to 7 s while a CI run shared the cores (the sync then took 0.12-0.16 s).
-On GPUs it is two short forwards; not measured there yet.
+The rule (docs/sync.md, "The post-sync probe", has the measurements behind it): the ratio is the mean
+absolute difference over the scored tokens divided by the floor's mean (raised to at least MIN_FLOOR of
+the engine dtype); the max is reported beside it, but one token's spike is not a verdict. Above FAIL_RATIO
+the probe fails, above WARN_RATIO it warns and the run goes on. A correct sync reads the floor plus the
+rounding of the merged weights onto the engine's grid, which the floor (same weights on both sides) does
+not contain: a few floors. A lost bucket, a stale engine after a real training step or weights lost at
+sleep level 2 read a hundred floors and more. Where no floor can be measured (the engines lost
+their weights before the first sync: vLLM sleep level 2), the first sync's own reading is taken as the
+floor when it is below FLOOR_CEILING, else the probe fails; a fixed threshold (sync.probe_threshold) makes
+the probe compare the max against it alone.
 
 ZeRO-3: the policy's forward is collective (each layer's parameters are gathered), so when the
 parameters are partitioned every trainer rank must call `policy_prompt_logprobs`; otherwise rank 0
 alone runs it. The engine side and the comparison run on the rank that talks to the engines.
-
-Thresholds (PROBE_THRESHOLD, on the max abs diff over the probe's tokens), from measurements
-(tests/test_faults.py, tiny models, the probe's 31 scored tokens):
-- no fault: fp32 (Qwen3, Qwen2.5-VL) 4.8e-7; bf16 (Qwen3.5) 3.9e-3 to 9.2e-3 (bf16 rounding of the
-  logits; one bf16 ulp at |logprob| ~ 6 is 0.03); 1.2e-2 elsewhere in this repo.
-- faults: stale engine 0.28-0.81, bucket dropped from a delta sync 0.24, half-applied sync 0.38,
-  sleep-2 weights zeroed 0.45-0.54 or garbage 43-98 (bf16 faults: 0.45 and up).
-- float32: 1e-3, three orders of magnitude above correct syncs and 240 times below the smallest fault.
-- bfloat16: 0.1, eight times above the worst correct sync measured and 4.5 times below the smallest bf16
-  fault (2.4 times below the smallest fault of any dtype). Larger vocabularies have larger |logprob|
-  and so larger bf16 rounding: LORA_SYNC_PROBE_THRESHOLD overrides the threshold for a model whose
-  correct-sync noise is higher (measure it with scripts/verify_sync.py on that checkpoint).
-A stale engine is caught only when the training step moved the probe's logprobs past the threshold:
-a tiny step leaves a stale engine that is, by the same measure, nearly the trained policy.
-Does not cover: when to probe (openrlhf_patch.py: every LORA_SYNC_PROBE_EVERY syncs).
+Does not cover: when to probe (openrlhf_patch.py: every sync.probe_every syncs).
 """
 
 from __future__ import annotations
@@ -42,30 +34,83 @@ from dataclasses import dataclass
 
 import torch
 
-PROBE_LENGTH = 32
+PROBE_PREFIX_LENGTH = 8
+PROBE_CONTINUATION_LENGTH = 24
 PROBE_SEED = 6
-PROBE_THRESHOLD = {"float32": 1e-3, "bfloat16": 0.1}
+FAIL_RATIO = 25.0
+WARN_RATIO = 10.0
+# The smallest floor mean a ratio is taken against, per engine dtype: fp32 kernels agree to ~1e-7, where
+# the merge's own rounding would otherwise read as many floors. FAIL_RATIO times these is where the probe
+# fails when no floor is measured (1e-3 and 0.1: the thresholds of the tiny CPU models).
+MIN_FLOOR = {"float32": 4e-5, "bfloat16": 4e-3}
+# What a correct sync may read when no floor is measured: the fail line at MIN_FLOOR (benchmarks use it).
+PROBE_THRESHOLD = {dtype: FAIL_RATIO * least for dtype, least in MIN_FLOOR.items()}
+# A first-sync reading (sleep level 2: no checkpoint to measure against) above this mean is not noise.
+FLOOR_CEILING = 0.5
+VISION_PLACEHOLDER_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+VERDICTS = ("ok", "warn", "fail")
 
 
 class ProbeFailed(RuntimeError):
-    """After a sync the engine's logprobs on the probe differ from the policy's beyond the threshold."""
+    """After a sync the engine's logprobs on the probe differ from the policy's far beyond the floor."""
+
+
+@dataclass(frozen=True)
+class ProbeFloor:
+    """The probe's tokens and what engine and policy differ by on them with no sync involved.
+    source: "checkpoint" (the engine as loaded vs the base policy), "first sync" (sleep level 2: the first
+    sync's own reading), "fixed" (no floor: MIN_FLOOR, or the user's sync.probe_threshold)."""
+
+    token_ids: tuple[int, ...]
+    scored_from: int  # the first scored position: the tokens before it are the prefix
+    max_abs_diff: float
+    mean_abs_diff: float
+    source: str
+    threshold: float | None = None  # the user's fixed threshold on the max, which replaces the ratio
+
+    def describe(self) -> str:
+        if self.threshold is not None:
+            return f"fixed threshold {self.threshold:g} on the max (sync.probe_threshold)"
+        return f"floor max {self.max_abs_diff:.3g} mean {self.mean_abs_diff:.3g} ({self.source})"
 
 
 @dataclass
 class ProbeResult:
     max_abs_diff: float  # worst engine
-    mean_abs_diff: float  # worst engine's mean over the probe's tokens
+    mean_abs_diff: float  # worst engine's mean over the probe's scored tokens
     per_engine_max: list[float]
-    threshold: float
+    floor: ProbeFloor
+    ratio: float  # the reading over the floor (judge's rule); the max over the threshold when fixed
+    verdict: str  # one of VERDICTS
     seconds: float
 
     @property
     def ok(self) -> bool:
-        return self.max_abs_diff <= self.threshold
+        return self.verdict != "fail"
+
+    def as_metrics(self) -> dict[str, float]:
+        """What the sync's stats log under sync/ (verdict: 0 ok, 1 warn, 2 fail)."""
+        return {
+            "probe_max_abs_diff": self.max_abs_diff,
+            "probe_mean_abs_diff": self.mean_abs_diff,
+            "probe_floor_max": self.floor.max_abs_diff,
+            "probe_floor_mean": self.floor.mean_abs_diff,
+            "probe_ratio": self.ratio,
+            "probe_verdict": float(VERDICTS.index(self.verdict)),
+            "probe_seconds": self.seconds,
+        }
+
+    def summary(self) -> str:
+        return (
+            f"max {self.max_abs_diff:.3g} (mean {self.mean_abs_diff:.3g}; per engine "
+            f"{', '.join(f'{d:.3g}' for d in self.per_engine_max)}), {self.ratio:.2g}x the "
+            f"{self.floor.describe()}"
+        )
 
 
-def probe_token_ids(vocab_size: int, length: int = PROBE_LENGTH, seed: int = PROBE_SEED) -> list[int]:
-    """The fixed probe: the same ids on every rank and every sync (a seeded generator, not the global RNG)."""
+def byte_token_ids(vocab_size: int, length: int, seed: int = PROBE_SEED) -> list[int]:
+    """Fixed ids, the same on every rank and every run (a seeded generator, not the global RNG), in the
+    byte range every Qwen tokenizer has, capped to the vocabulary."""
     high = min(vocab_size, 256)
     return torch.randint(0, high, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -77,13 +122,56 @@ def policy_vocab_size(model) -> int:
     return int(getattr(text, "vocab_size", None) or config.vocab_size)
 
 
-def policy_prompt_logprobs(model, token_ids: Sequence[int]) -> torch.Tensor:
+def placeholder_token_ids(config) -> list[int]:
+    """A VLM config's vision placeholder ids, which a text-only forward must never contain."""
+    return sorted(
+        {i for i in (getattr(config, name, None) for name in VISION_PLACEHOLDER_IDS) if i is not None}
+    )
+
+
+def _greedy_params(never: Sequence[int]):
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=PROBE_CONTINUATION_LENGTH,
+        temperature=0.0,
+        ignore_eos=True,
+        detokenize=False,
+        logit_bias=dict.fromkeys(never, -100.0) or None,
+    )
+
+
+def probe_token_ids(engines, model, lora_request=None) -> list[int]:
+    """The prefix and the first engine's greedy continuation of it (every engine holds the same weights):
+    tokens this model finds likely, the vision placeholders excluded."""
+    prefix = byte_token_ids(policy_vocab_size(model), PROBE_PREFIX_LENGTH)
+    params = _greedy_params(placeholder_token_ids(model.config))
+    if hasattr(engines, "llms"):
+        from vllm.inputs import TokensPrompt
+
+        (output,) = engines.llms[0].generate(
+            [TokensPrompt(prompt_token_ids=prefix)], params, use_tqdm=False, lora_request=lora_request
+        )
+    else:
+        import ray
+
+        output = ray.get(engines.actors[0].generate.remote(prefix, params))
+    return prefix + list(output.outputs[0].token_ids)
+
+
+def policy_prompt_logprobs(model, token_ids: Sequence[int], base: bool = False) -> torch.Tensor:
     """The policy's logprobs of each probe token after the first, in eval mode (LoRA dropout off),
-    restoring the training mode after. Collective under ZeRO-3: every rank must call it."""
+    restoring the training mode after; base=True: with its adapters switched off (the base model).
+    Collective under ZeRO-3: every rank must call it."""
+    import contextlib
+
+    from openrlhf_lora_sync.sync.adapter_mode import adapters_switched_off
+
     was_training = model.training
     model.eval()
     try:
-        return hf_prompt_logprobs(model, token_ids)
+        with adapters_switched_off(model) if base else contextlib.nullcontext():
+            return hf_prompt_logprobs(model, token_ids)
     finally:
         model.train(was_training)
 
@@ -105,45 +193,105 @@ def engine_prompt_logprobs(engines, token_ids: Sequence[int], lora_request=None)
     ]
 
 
-def compare(
-    policy_logprobs: torch.Tensor, engine_logprobs: list[torch.Tensor], threshold: float, seconds: float
-) -> ProbeResult:
-    diffs = [(policy_logprobs - got).abs() for got in engine_logprobs]
-    worst = max(diffs, key=lambda d: d.max().item())
-    return ProbeResult(
-        max_abs_diff=worst.max().item(),
-        mean_abs_diff=worst.mean().item(),
-        per_engine_max=[d.max().item() for d in diffs],
-        threshold=threshold,
-        seconds=seconds,
+def _diffs(policy_logprobs: torch.Tensor, engine_logprobs: list[torch.Tensor], scored_from: int):
+    """Per engine, |policy - engine| over the scored tokens (logprob i is token i + 1's)."""
+    return [(policy_logprobs - got).abs()[scored_from - 1 :] for got in engine_logprobs]
+
+
+def measure_floor(
+    policy_logprobs: torch.Tensor,
+    engine_logprobs: list[torch.Tensor],
+    token_ids: Sequence[int],
+    source: str = "checkpoint",
+) -> ProbeFloor:
+    """The floor from the base policy's and the unsynced engines' logprobs (the worst engine's)."""
+    worst = max(_diffs(policy_logprobs, engine_logprobs, PROBE_PREFIX_LENGTH), key=lambda d: d.max().item())
+    return ProbeFloor(tuple(token_ids), PROBE_PREFIX_LENGTH, worst.max().item(), worst.mean().item(), source)
+
+
+def fixed_floor(token_ids: Sequence[int], dtype: str, threshold: float | None = None) -> ProbeFloor:
+    """No measured floor: MIN_FLOOR of the engine dtype, or the user's threshold on the max."""
+    least = MIN_FLOOR[dtype]
+    return ProbeFloor(tuple(token_ids), PROBE_PREFIX_LENGTH, least, least, "fixed", threshold)
+
+
+def first_sync_floor(result: ProbeResult) -> ProbeFloor:
+    """Sleep level 2: the first sync's reading as the floor, when it is plausible as noise (FLOOR_CEILING);
+    raises ProbeFailed otherwise."""
+    if result.mean_abs_diff > FLOOR_CEILING:
+        raise ProbeFailed(
+            failure_message(
+                result,
+                "the first sync (no floor could be measured: the engines lost their "
+                f"checkpoint weights before it), whose mean is above {FLOOR_CEILING:g}, which is not noise",
+            )
+        )
+    return ProbeFloor(
+        result.floor.token_ids,
+        result.floor.scored_from,
+        result.max_abs_diff,
+        result.mean_abs_diff,
+        "first sync",
     )
 
 
-def run_probe(model, engines, dtype: str, threshold: float | None = None, lora_request=None) -> ProbeResult:
-    """Single-process form (rank 0 holds the whole policy): policy and engines on the probe, compared."""
+def judge(
+    policy_logprobs: torch.Tensor,
+    engine_logprobs: list[torch.Tensor],
+    floor: ProbeFloor,
+    dtype: str,
+    seconds: float,
+) -> ProbeResult:
+    """The reading against the floor by the module's rule (or against the user's fixed threshold)."""
+    diffs = _diffs(policy_logprobs, engine_logprobs, floor.scored_from)
+    worst = max(diffs, key=lambda d: d.max().item())
+    high, mean = worst.max().item(), worst.mean().item()
+    if floor.threshold is not None:
+        ratio = high / floor.threshold if floor.threshold else float("inf")
+        verdict = "fail" if high > floor.threshold else "ok"
+    else:
+        ratio = mean / max(floor.mean_abs_diff, MIN_FLOOR[dtype])
+        verdict = "fail" if ratio > FAIL_RATIO else "warn" if ratio > WARN_RATIO else "ok"
+    return ProbeResult(high, mean, [d.max().item() for d in diffs], floor, ratio, verdict, seconds)
+
+
+def calibrate(model, engines, dtype: str, lora_request=None) -> ProbeFloor:
+    """Single-process form (rank 0 holds the whole policy), before the first sync: the probe's tokens and
+    the floor of these engines, which must still hold the checkpoint."""
+    token_ids = probe_token_ids(engines, model, lora_request)
+    policy = policy_prompt_logprobs(model, token_ids, base=True)
+    return measure_floor(policy, engine_prompt_logprobs(engines, token_ids, lora_request), token_ids)
+
+
+def run_probe(model, engines, dtype: str, floor: ProbeFloor, lora_request=None) -> ProbeResult:
+    """Single-process form: policy and engines on the floor's tokens, judged against it."""
     start = time.perf_counter()
-    token_ids = probe_token_ids(policy_vocab_size(model))
-    policy = policy_prompt_logprobs(model, token_ids)
-    engine = engine_prompt_logprobs(engines, token_ids, lora_request)
-    limit = PROBE_THRESHOLD[dtype] if threshold is None else threshold
-    return compare(policy, engine, limit, time.perf_counter() - start)
+    policy = policy_prompt_logprobs(model, floor.token_ids)
+    engine = engine_prompt_logprobs(engines, floor.token_ids, lora_request)
+    return judge(policy, engine, floor, dtype, time.perf_counter() - start)
 
 
 def failure_message(result: ProbeResult, sync_description: str) -> str:
     return (
         f"post-sync probe failed after {sync_description}: the engine's prompt logprobs differ from the "
-        f"policy's by max {result.max_abs_diff:.3g} (mean {result.mean_abs_diff:.3g}; per engine "
-        f"{', '.join(f'{d:.3g}' for d in result.per_engine_max)}) > threshold {result.threshold:g}, so "
-        "rollouts would come from a policy other than the one being trained. Likely causes, and what to "
-        "check: (1) a stale engine: a sync was skipped or went to other engines (is broadcast_to_vllm "
-        "called after every update?); (2) weights lost at vLLM sleep level 2 and a delta sync sent "
-        "instead of a full one (LORA_SYNC_VLLM_SLEEP_LEVEL must match the level the engines sleep at; "
-        "LORA_SYNC_FORCE_FULL=1 rules this out); (3) a bucket lost in transport (the engine log's "
-        "load_bucket calls against the sync line's bucket count; try another LORA_SYNC_TRANSPORT); "
-        "(4) the prefix cache not reset, so the probe's prefix was served from KV computed with the old "
-        "weights (reset_all_caches on every engine); (5) the wrong dtype: the engine's dtype is not the "
-        "one the sync casts to, or its bf16 noise on this model exceeds the threshold (compare with "
-        "scripts/verify_sync.py on this checkpoint; LORA_SYNC_PROBE_THRESHOLD raises it)."
+        f"policy's by {result.summary()}, above the fail line ({FAIL_RATIO:g}x), so rollouts would come "
+        "from a policy other than the one being trained. Likely causes, and what to check: (1) a stale "
+        "engine: a sync was skipped or went to other engines (is broadcast_to_vllm called after every "
+        "update?); (2) weights lost at vLLM sleep level 2 and a delta sync sent instead of a full one "
+        "(LORA_SYNC_VLLM_SLEEP_LEVEL must match the level the engines sleep at; LORA_SYNC_FORCE_FULL=1 "
+        "rules this out); (3) a bucket lost in transport (the engine log's load_bucket calls against the "
+        "sync line's bucket count; try another LORA_SYNC_TRANSPORT); (4) the prefix cache not reset, so the "
+        "probe's prefix was served from KV computed with the old weights (reset_all_caches on every "
+        "engine); (5) the wrong dtype: the engine's dtype is not the one the sync casts to (compare with "
+        "scripts/verify_sync.py on this checkpoint)."
+    )
+
+
+def warning_message(result: ProbeResult, sync_description: str) -> str:
+    return (
+        f"post-sync probe after {sync_description}: {result.summary()}, above {WARN_RATIO:g}x the floor "
+        f"but under the fail line ({FAIL_RATIO:g}x); the run goes on. If this repeats or grows, run "
+        "scripts/verify_sync.py on this checkpoint"
     )
 
 

@@ -81,10 +81,8 @@ class SyncStats:
     bytes: int
     buckets: int
     seconds: float
-    # Filled in when the post-sync probe ran after this sync (probe.py); None otherwise.
-    probe_max_abs_diff: float | None = None
-    probe_mean_abs_diff: float | None = None
-    probe_seconds: float | None = None
+    # The post-sync probe's numbers when it ran after this sync (probe.ProbeResult.as_metrics), else empty.
+    probe: dict[str, float] = field(default_factory=dict)
     # Seconds per stage: merge (gather + LoRA merge + naming), pack (into the transport's buffer),
     # transport (engine RPCs minus the engine's own reload time), reload (the engine loading tensors).
     # With pipelined /dev/shm buckets the engines' part overlaps the trainer's: stages sum to more.
@@ -101,10 +99,7 @@ class SyncStats:
             f"{prefix}seconds": self.seconds,
         }
         metrics.update({f"{prefix}seconds_{stage}": seconds for stage, seconds in self.stages.items()})
-        if self.probe_max_abs_diff is not None:
-            metrics[f"{prefix}probe_max_abs_diff"] = self.probe_max_abs_diff
-            metrics[f"{prefix}probe_mean_abs_diff"] = self.probe_mean_abs_diff
-            metrics[f"{prefix}probe_seconds"] = self.probe_seconds
+        metrics.update({f"{prefix}{name}": value for name, value in self.probe.items()})
         return metrics
 
     def __str__(self) -> str:

@@ -9,6 +9,7 @@ them the way they load a hub checkpoint. Nothing is downloaded.
 vocabulary matrix, a deeper vision tower) for scripts/bench_sync.py; the tokenizer stays byte-level, so
 prompts only use the first ids of the larger vocabulary.
 
+`logit_std` spreads the logits to a real model's magnitude (spread_logits), where bf16 noise is real-sized.
 Does not cover: trained weights: logits are random, which is what equivalence checks between HF and
 vLLM need. Qwen3.5 has no bench scale (its layer_types and linear-attention heads would need their own).
 """
@@ -313,9 +314,23 @@ def build_processor(family: TinyFamily, tokenizer):
     )
 
 
-def build_tiny_model(family_name: str, out_dir: str | Path, seed: int = 0, scale: str = "tiny") -> Path:
+def spread_logits(model, logit_std: float) -> None:
+    """Scale the output head so the logits on random byte tokens have standard deviation `logit_std`: a
+    real LLM's logits span about +-30 (std around 6), a random tiny model's std is about 0.7, and bf16's
+    rounding of logits grows with their magnitude."""
+    import torch
+
+    token_ids = torch.randint(0, BYTE_VOCAB_SIZE, (1, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        std = model(input_ids=token_ids).logits.float().std().item()
+        model.get_output_embeddings().weight.mul_(logit_std / std)
+
+
+def build_tiny_model(
+    family_name: str, out_dir: str | Path, seed: int = 0, scale: str = "tiny", logit_std: float | None = None
+) -> Path:
     """Write a random `family_name` checkpoint (config, safetensors, tokenizer, processor) to out_dir, at
-    `scale` (SCALES)."""
+    `scale` (SCALES), with its logits spread to a real model's magnitude when `logit_std` is given."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -326,11 +341,14 @@ def build_tiny_model(family_name: str, out_dir: str | Path, seed: int = 0, scale
     torch.manual_seed(seed)
     auto_cls = AutoModelForImageTextToText if family.is_vlm else AutoModelForCausalLM
     model = auto_cls.from_config(config, dtype=getattr(torch, family.dtype))
+    if logit_std is not None:
+        spread_logits(model, logit_std)
     model.save_pretrained(out)
     tokenizer = build_tokenizer()
     if family.is_vlm:
         build_processor(family, tokenizer).save_pretrained(out)
     else:
         tokenizer.save_pretrained(out)
-    (out / "tiny_model.json").write_text(json.dumps({"family": family.name, "seed": seed, "scale": scale}))
+    built = {"family": family.name, "seed": seed, "scale": scale, "logit_std": logit_std}
+    (out / "tiny_model.json").write_text(json.dumps(built))
     return out

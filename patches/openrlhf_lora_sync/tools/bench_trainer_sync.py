@@ -275,7 +275,7 @@ class Check:
         from openrlhf_lora_sync.patch.openrlhf_patch import RayEngines
         from openrlhf_lora_sync.sync import probe
 
-        token_ids = probe.probe_token_ids(ray.get(actor.bench_vocab_size.remote()))
+        token_ids = probe.byte_token_ids(ray.get(actor.bench_vocab_size.remote()), 32)
         policy = torch.tensor(ray.get(actor.bench_policy_logprobs.remote(token_ids)))
         (engine,) = probe.engine_prompt_logprobs(RayEngines(self.engines), token_ids)
         return probe.max_abs_diff(engine, policy)

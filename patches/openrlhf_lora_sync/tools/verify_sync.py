@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import sys
 from pathlib import Path
 
@@ -167,7 +168,22 @@ def _has_vision_lora(policy) -> bool:
     return any(f".{VISION_TOWER}." in name and "lora_" in name for name, _ in policy.named_parameters())
 
 
+def _write_reference(policy, dtype, out: Path, mode: str) -> None:
+    """What the synced engine must reproduce, written to `out` the way users have it: merge mode, the
+    merged checkpoint (peft's merge in fp32, cast to the engine dtype: export_merged.py's recipe); adapter
+    mode, the adapter as peft saves it, which vLLM loads with its own LoRA loader."""
+    import torch
+
+    if mode == "adapter":
+        policy.save_pretrained(out)
+        return
+    merged = copy.deepcopy(policy).to(torch.float32).merge_and_unload().to(dtype)
+    merged.save_pretrained(out)
+
+
 def verify(args, config) -> dict:
+    import tempfile
+
     import torch
 
     from openrlhf_lora_sync.sync.adapter_mode import (
@@ -178,7 +194,7 @@ def verify(args, config) -> dict:
     from openrlhf_lora_sync.sync.plan import SyncState
     from openrlhf_lora_sync.sync.sync import LocalEngines, sync_weights
     from openrlhf_lora_sync.testing.logprob_check import (
-        LOGPROB_TOLERANCE,
+        SYNC_TOLERANCE,
         checkpoint_processor,
         hf_prompt_logprobs,
         image_prompt,
@@ -194,64 +210,81 @@ def verify(args, config) -> dict:
     if args.mode == "adapter":
         check_adapter_mode_supported(policy)
         adapter_state = AdapterSyncState()
-    reference = copy.deepcopy(policy).merge_and_unload().eval()
+    hf_reference = copy.deepcopy(policy).merge_and_unload().eval()
 
     processor = checkpoint_processor(args.model, args.processor)
     image_unchecked_reason = None
     if processor is not None and processor.chat_template is None:
         image_unchecked_reason = "the processor has no chat template; pass --processor DIR with one"
     image_checked = processor is not None and image_unchecked_reason is None
-    engine = start_checkpoint_engine(
-        args.model,
-        dtype_name,
-        processor,
-        images_per_prompt=int(image_checked),
-        lora_rank=policy.peft_config["default"].r if adapter_state else None,
-    )
+    lora_rank = policy.peft_config["default"].r if adapter_state else None
 
-    vocab = reference.get_output_embeddings().weight.shape[0]
+    def engine_on(model_dir: str):
+        return start_checkpoint_engine(
+            model_dir, dtype_name, processor, images_per_prompt=int(image_checked), lora_rank=lora_rank
+        )
+
+    vocab = hf_reference.get_output_embeddings().weight.shape[0]
     token_ids = torch.randint(
         0, min(vocab, 256), (args.tokens,), generator=torch.Generator().manual_seed(1)
     ).tolist()
 
-    def diffs() -> dict[str, float]:
-        lora = adapter_state.lora_request() if adapter_state else None
-        out = {
-            "text": max_abs_diff(
-                vllm_prompt_logprobs(engine, token_ids, lora_request=lora),
-                hf_prompt_logprobs(reference, token_ids),
-            )
-        }
+    def logprobs(engine, lora=None) -> dict[str, torch.Tensor]:
+        out = {"text": vllm_prompt_logprobs(engine, token_ids, lora_request=lora)}
         if image_checked:
             image = _probe_image()
-            collapsed, hf_inputs = image_prompt(processor, image)
-            hf = hf_prompt_logprobs(reference, hf_inputs.pop("input_ids"), **hf_inputs)
-            out["image"] = max_abs_diff(
-                vllm_prompt_logprobs(engine, collapsed, image=image, lora_request=lora), hf
-            )
+            collapsed, _ = image_prompt(processor, image)
+            out["image"] = vllm_prompt_logprobs(engine, collapsed, image=image, lora_request=lora)
         return out
 
-    before = diffs()
-    stats = None
-    if not args.skip_sync:
-        engines, bucket_bytes = LocalEngines(engine), int(args.bucket_mb * 2**20)
-        if adapter_state:
-            stats = sync_adapter(policy, engines, adapter_state, dtype=dtype, bucket_bytes=bucket_bytes)
+    def hf_logprobs() -> dict[str, torch.Tensor]:
+        out = {"text": hf_prompt_logprobs(hf_reference, token_ids)}
+        if image_checked:
+            _, hf_inputs = image_prompt(processor, _probe_image())
+            out["image"] = hf_prompt_logprobs(hf_reference, hf_inputs.pop("input_ids"), **hf_inputs)
+        return out
+
+    def worst(a: dict, b: dict) -> float:
+        return max(max_abs_diff(a[key], b[key]) for key in a)
+
+    with tempfile.TemporaryDirectory(prefix="verify-sync-reference-") as reference_dir:
+        _write_reference(policy, dtype, Path(reference_dir), args.mode)
+        if args.mode == "merge":
+            # One engine at a time (a GPU may hold only one): the reference's logprobs first.
+            reference_engine = engine_on(reference_dir)
+            reference = logprobs(reference_engine)
+            del reference_engine
+            gc.collect()
+            engine = engine_on(args.model)
         else:
-            stats = sync_weights(policy, engines, SyncState(), dtype=dtype, bucket_bytes=bucket_bytes)
-    after = diffs()
-    tolerance = LOGPROB_TOLERANCE[dtype_name]
-    worst, before_diff = max(after.values()), max(before.values())
+            from vllm.lora.request import LoRARequest
+
+            engine = engine_on(args.model)
+            # vLLM's own load of the adapter as peft saved it, on the same engine: its LoRA kernels too.
+            reference = logprobs(engine, LoRARequest("verify-sync-reference", 10_000, reference_dir))
+        before = logprobs(engine)
+        stats = None
+        if not args.skip_sync:
+            engines, bucket_bytes = LocalEngines(engine), int(args.bucket_mb * 2**20)
+            if adapter_state:
+                stats = sync_adapter(policy, engines, adapter_state, dtype=dtype, bucket_bytes=bucket_bytes)
+            else:
+                stats = sync_weights(policy, engines, SyncState(), dtype=dtype, bucket_bytes=bucket_bytes)
+        after = logprobs(engine, adapter_state.lora_request() if adapter_state else None)
+    hf = hf_logprobs()
+    tolerance = SYNC_TOLERANCE[dtype_name]
+    sync_gap, before_diff = worst(after, reference), worst(before, reference)
     reason, detail = None, None
-    if worst > tolerance:
+    if sync_gap > tolerance:
         reason = "mismatch"
         detail = (
-            f"the synced engine's logprobs differ from the merged policy's by {worst:.3g} > {tolerance:g}"
+            f"the synced engine's logprobs differ from the same engine on the {args.mode} reference's by "
+            f"{sync_gap:.3g} > {tolerance:g}"
         )
     elif before_diff <= tolerance:
         reason = "inconclusive"
         detail = (
-            f"the unsynced engine is already within tolerance of the merged policy (before_diff "
+            f"the unsynced engine is already within tolerance of the reference (before_diff "
             f"{before_diff:.3g} <= {tolerance:g}): the adapter changes nothing a prompt can see, so a sync "
             "that did nothing would pass too"
         )
@@ -263,10 +296,11 @@ def verify(args, config) -> dict:
         "mode": args.mode,
         "dtype": dtype_name,
         "synced": not args.skip_sync,
-        "max_abs_logprob_diff": worst,
-        "text_diff": after["text"],
-        "image_diff": after.get("image"),
+        "max_abs_logprob_diff": sync_gap,
+        "text_diff": max_abs_diff(after["text"], reference["text"]),
+        "image_diff": max_abs_diff(after["image"], reference["image"]) if "image" in after else None,
         "before_diff": before_diff,
+        "hf_gap": worst(after, hf),
         "image_checked": "image" in after,
         "image_unchecked_reason": image_unchecked_reason,
         "tolerance": tolerance,
@@ -307,10 +341,14 @@ def inject_fault(args, config) -> dict:
     def sync(**kwargs):
         return sync_weights(policy, engines, state, dtype=dtype, bucket_bytes=bucket_bytes, **kwargs)
 
+    floor = probe.calibrate(policy, engines, dtype_name)  # the engine still holds the checkpoint
+
     def probe_diff() -> tuple[float, bool]:
-        result = probe.run_probe(policy, engines, dtype_name)
+        result = probe.run_probe(policy, engines, dtype_name, floor)
+        ratios.append(result.ratio)
         return result.max_abs_diff, result.ok
 
+    ratios: list[float] = []
     sync()
     baseline, baseline_ok = probe_diff()
     real_send = transport.TRANSPORTS["shm"]
@@ -360,7 +398,10 @@ def inject_fault(args, config) -> dict:
         "how": how,
         "recovery_sync": recovery.mode,
         "probe_max_abs_diff": {"correct": baseline, "fault": fault_diff, "recovered": recovered_diff},
-        "threshold": probe.PROBE_THRESHOLD[dtype_name],
+        # Each reading over the floor (probe.judge's ratio); the probe fails above fail_ratio.
+        "probe_ratio": dict(zip(("correct", "fault", "recovered"), ratios, strict=True)),
+        "floor": {"max": floor.max_abs_diff, "mean": floor.mean_abs_diff, "source": floor.source},
+        "fail_ratio": probe.FAIL_RATIO,
     }
 
 
