@@ -208,6 +208,8 @@ def test_repo_keys_become_environment_variables_and_never_flags():
         "LORA_SYNC_FORCE_FULL": "1",
         "LORA_SYNC_VLLM_SLEEP_LEVEL": "2",
         "LORA_SYNC_PROBE_EVERY": "1",
+        "LORA_SYNC_GEN_KL_GATE": "0.001",
+        "LORA_SYNC_GEN_KL_STOP": "0",
         "LORA_SYNC_REFERENCE_FROM_BASE": "1",
         "LORA_SYNC_OFFLOAD_PARAMS": "0",
         "LORA_SYNC_STALE_ENGINE_CONTROL": "0",

@@ -1,6 +1,6 @@
 """What the patched trainer adds to OpenRLHF's rollouts, without an engine: the rollout parity numbers
-(openrlhf_patch.rollout_parity, on OpenRLHF's own Experience) and the vision placeholders kept out of
-sampling (never_sampled_token_ids on a config shaped like the published Qwen2.5-VL's, rollout_sampling on
+(openrlhf_patch.rollout_parity, on OpenRLHF's own Experience), the gen-KL gate on them (gen_kl_gate), the
+vision placeholders kept out of sampling (never_sampled_token_ids on a config shaped like the published Qwen2.5-VL's, rollout_sampling on
 vLLM's own SamplingParams).
 
 Does not cover: the real trainer computing them (tests/test_cpu_run.py: synced runs' gen-KL near 0, the
@@ -16,7 +16,13 @@ import math
 import pytest
 import torch
 from openrlhf.trainer.ppo_utils.experience import Experience
-from openrlhf_lora_sync.patch.openrlhf_patch import never_sampled_token_ids, rollout_parity, rollout_sampling
+from openrlhf_lora_sync.patch.openrlhf_patch import (
+    GenKLGateExceeded,
+    gen_kl_gate,
+    never_sampled_token_ids,
+    rollout_parity,
+    rollout_sampling,
+)
 
 
 def experience(trainer: list[float], rollout: list[float] | None, mask: list[int]) -> Experience:
@@ -91,3 +97,45 @@ def test_rollout_sampling_biases_the_placeholders_and_asks_for_log_probs():
     asked = SamplingParams(max_tokens=4, logprobs=5)
     rollout_sampling(asked, [])
     assert asked.logit_bias is None and asked.logprobs == 5  # what OpenRLHF asked for is kept
+
+
+def parity(gen_kl: float) -> dict[str, float]:
+    return {"parity/gen_kl": gen_kl, "parity/max_abs_logprob_diff": 0.5, "parity/prob_ratio_mean": 1.0}
+
+
+@pytest.mark.parametrize(
+    "env, gen_kls, over_per_step",
+    [
+        ({}, [1e-4, 2e-3, 5e-4, 3e-3], [0, 1, 0, 1]),  # default gate 1e-3: only the steps above it count
+        ({"LORA_SYNC_GEN_KL_GATE": "1e-2"}, [2e-3, 3e-3], [0, 0]),  # a looser gate: nothing to say
+        ({"LORA_SYNC_GEN_KL_GATE": "0"}, [5.0], [None]),  # 0 switches the gate off: no metrics at all
+    ],
+)
+def test_gen_kl_gate_warns_and_counts_steps_over_it(env, gen_kls, over_per_step, monkeypatch, caplog):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    counter = type("Trainer", (), {})()
+    for step, (gen_kl, over) in enumerate(zip(gen_kls, over_per_step, strict=True), start=1):
+        with caplog.at_level("WARNING", logger="openrlhf_lora_sync"):
+            caplog.clear()
+            metrics = gen_kl_gate(parity(gen_kl), step, counter)
+        if over is None:
+            assert metrics == {} and not caplog.records
+            continue
+        assert metrics["parity/gen_kl_over_gate"] == over
+        assert metrics["parity/gen_kl_over_gate_steps"] == sum(over_per_step[:step])
+        warned = [r.getMessage() for r in caplog.records]
+        assert bool(warned) == bool(over) and all(f"rollout step {step}" in m for m in warned)
+
+
+def test_gen_kl_gate_stops_the_run_only_when_asked(monkeypatch):
+    counter = type("Trainer", (), {})()
+    assert gen_kl_gate(parity(2e-3), 1, counter)["parity/gen_kl_over_gate"] == 1  # a warning, the run goes on
+    monkeypatch.setenv("LORA_SYNC_GEN_KL_STOP", "1")
+    assert gen_kl_gate(parity(5e-4), 2, counter)["parity/gen_kl_over_gate"] == 0  # under the gate: nothing
+    with pytest.raises(GenKLGateExceeded, match="rollout step 3: mean gen-KL 0.002"):
+        gen_kl_gate(parity(2e-3), 3, counter)
+
+
+def test_steps_without_parity_numbers_are_not_gated():
+    assert gen_kl_gate({}, 1, type("Trainer", (), {})()) == {}

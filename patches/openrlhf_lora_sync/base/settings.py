@@ -167,6 +167,22 @@ SETTINGS: tuple[Setting, ...] = (
         minimum=0,
     ),
     Setting(
+        "sync.gen_kl_gate",
+        "LORA_SYNC_GEN_KL_GATE",
+        float,
+        1e-3,
+        "a warning when a rollout step's mean gen-KL (engine vs trainer log-probs of the sampled tokens, "
+        "parity/gen_kl) is above this; 0: off (openrlhf_patch.gen_kl_gate)",
+        minimum=0,
+    ),
+    Setting(
+        "sync.gen_kl_stop",
+        "LORA_SYNC_GEN_KL_STOP",
+        bool,
+        False,
+        "end the run at the first rollout step over sync.gen_kl_gate instead of warning",
+    ),
+    Setting(
         "sync.reference_from_base",
         "LORA_SYNC_REFERENCE_FROM_BASE",
         bool,

@@ -465,9 +465,44 @@ def _with_rollout_parity(upstream_rollout_stats):
         algo = self.args.algo.advantage
         if self.args.rollout.temperature == 1.0 or algo.is_correction_level != "off":
             stats.update(rollout_parity(experiences))
+            self._lora_sync_rollout_steps = getattr(self, "_lora_sync_rollout_steps", 0) + 1
+            stats.update(gen_kl_gate(stats, self._lora_sync_rollout_steps, self))
         return stats
 
     return _compute_rollout_stats
+
+
+class GenKLGateExceeded(RuntimeError):
+    """The engine's rollouts drifted from the trainer's policy past sync.gen_kl_gate, and sync.gen_kl_stop
+    asked for the run to end there."""
+
+
+def gen_kl_gate(parity: dict[str, float], step: int, counter) -> dict[str, float]:
+    """sync.gen_kl_gate on a rollout step's parity/gen_kl (NeMo-RL gates its LoRA runs at a mean gen-KL of
+    1e-3): above it, a warning naming the step and the numbers, the step counted in parity/gen_kl_over_gate
+    (this step: 0 or 1) and parity/gen_kl_over_gate_steps (so far, on `counter`); with sync.gen_kl_stop,
+    GenKLGateExceeded. Empty when the step has no parity numbers or the gate is 0 (off)."""
+    gate = settings.read("sync.gen_kl_gate")
+    if "parity/gen_kl" not in parity or gate <= 0:
+        return {}
+    over = parity["parity/gen_kl"] > gate
+    counter._lora_sync_gen_kl_over = getattr(counter, "_lora_sync_gen_kl_over", 0) + over
+    if over:
+        message = (
+            f"rollout step {step}: mean gen-KL {parity['parity/gen_kl']:.3g} between the engine's and the "
+            f"trainer's log-probs of the sampled tokens is above sync.gen_kl_gate {gate:g} (max |log ratio| "
+            f"{parity['parity/max_abs_logprob_diff']:.3g}; {counter._lora_sync_gen_kl_over} step(s) so far): "
+            "the rollouts come from a policy measurably other than the one trained. Check the post-sync "
+            "probe's ratio (sync/probe_ratio); in bf16, sync.mode adapter keeps W + BA off the bf16 grid "
+            "(docs/fidelity.md)"
+        )
+        if settings.read("sync.gen_kl_stop"):
+            raise GenKLGateExceeded(message + "; sync.gen_kl_stop ends the run here")
+        logger.warning("%s", message)
+    return {
+        "parity/gen_kl_over_gate": float(over),
+        "parity/gen_kl_over_gate_steps": float(counter._lora_sync_gen_kl_over),
+    }
 
 
 def _closing_wandb(upstream_close):
