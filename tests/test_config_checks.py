@@ -257,6 +257,24 @@ def test_merge_mode_rank_above_a_targets_dimensions_warns_only(context):
     assert result.status == preflight.PASS
 
 
+@pytest.mark.parametrize(
+    "family, mode, warned",
+    [
+        ("qwen3_5", "adapter", True),  # upstream vLLM: adapter LoRA a no-op / a crash on Qwen3.5 GPUs
+        ("qwen3_5", "merge", False),  # merge mode sends plain weights: nothing of vLLM's LoRA involved
+        ("qwen2_5_vl", "adapter", False),  # no such report for the other families
+    ],
+)
+def test_adapter_mode_on_qwen3_5_warns_naming_the_vllm_issues(family, mode, warned, tiny_model_dir):
+    keys = {"sync.mode": mode, "ds.lora.target_modules": "[q_proj, v_proj]"}
+    result = preflight.check_lora_config(smoke_run(keys), str(tiny_model_dir(family)))
+    if warned:
+        assert result.status == preflight.WARN and "#49354" in result.summary + result.fix, result
+        assert "sync.mode: merge" in result.fix
+    else:
+        assert result.status == preflight.PASS, result
+
+
 def test_launcher_refuses_before_starting_ray(context, capsys):
     argv = ["--actor.model_name_or_path", str(context["model"]), *LAUNCH_BASE, "--ds.lora.rank", "0"]
     assert launch.main(argv) == 2

@@ -1,7 +1,7 @@
 """What the patched trainer adds to OpenRLHF's rollouts, without an engine: the rollout parity numbers
 (openrlhf_patch.rollout_parity, on OpenRLHF's own Experience), the gen-KL gate on them (gen_kl_gate), the
-vision placeholders kept out of sampling (never_sampled_token_ids on a config shaped like the published Qwen2.5-VL's, rollout_sampling on
-vLLM's own SamplingParams).
+vision placeholders kept out of sampling (never_sampled_token_ids on a config shaped like the published
+Qwen2.5-VL's, rollout_sampling on vLLM's own SamplingParams).
 
 Does not cover: the real trainer computing them (tests/test_cpu_run.py: synced runs' gen-KL near 0, the
 stale-engine control's far above), nor vLLM honouring the logit bias (the same runs: a sampled image pad

@@ -28,6 +28,8 @@ Covers
   (bitsandbytes' 4-bit weights are not ZeRO-3 parameters DeepSpeed can offload).
 - sync.stale_engine_control (a control for experiments) with vLLM sleep level 2, which discards the
   weights the control keeps.
+- Adapter mode on Qwen3.5 (a warning): upstream vLLM reports it broken on GPUs (#49354, #47639) and no GPU
+  run here has shown otherwise.
 - data.max_len (train_ppo_ray.py:53 passes it to vLLM as max_model_len) above the model's
   max_position_embeddings: vLLM refuses that inside its engine actor, after the trainer has loaded.
 - OpenRLHF/vLLM releases other than the pinned ones (pins.check_versions).
@@ -253,7 +255,7 @@ def target_problems(run, model: str, reference: dict | None = None) -> list[Conf
         fix = "the message names it" if adapter_mode else TARGET_LINEAR_FIX
         return [ConfigProblem(key, f"{targets} on {model}: {error}", fix)]
     if adapter_mode:
-        return []
+        return adapter_mode_warnings(config.model_type)
     capped = [
         (name, min(layer.in_features, layer.out_features))
         for name, layer in peft_model.named_modules()
@@ -268,6 +270,24 @@ def target_problems(run, model: str, reference: dict | None = None) -> list[Conf
             f"rank {rank} is above min(in, out) of {len(capped)} targeted layers (smallest {smallest}), "
             "where the update's rank cannot exceed that: the extra rank costs memory and does nothing",
             f"ds.lora.rank: {smallest} or less",
+            fatal=False,
+        )
+    ]
+
+
+def adapter_mode_warnings(model_type: str) -> list[ConfigProblem]:
+    """Adapter mode where upstream vLLM reports it broken on GPUs and no GPU run here has shown otherwise."""
+    if model_type != "qwen3_5":
+        return []
+    return [
+        ConfigProblem(
+            "sync.mode",
+            "adapter mode on Qwen3.5 has not run on a GPU here, and upstream vLLM reports its LoRA as a "
+            "no-op for Qwen3.5 on GPUs (vllm-project/vllm#49354) and a crash with LoRA on part of its linear-"
+            "attention (GDN) projections (vllm-project/vllm#47639); on CPU the sync matches vLLM's own load "
+            "of the adapter exactly (docs/fidelity.md)",
+            "sync.mode: merge, or check first: python scripts/verify_sync.py --model DIR --mode adapter on "
+            "the GPU (ok, with before_diff large, means vLLM applies the adapter)",
             fatal=False,
         )
     ]
