@@ -8,10 +8,16 @@ stack. Time: tiny models under a minute on 2 CPU cores; a 7B model on one GPU a 
 
 Loads the base HF model, applies the adapter (or a random LoRA with non-zero B on the language model's
 linear layers when none is given), starts vLLM on the base weights in this process, runs one full sync
-through the patch's trainer-side and engine-side code (shared-memory transport), and compares vLLM's
-prompt logprobs with the HF peft-merged reference (`merge_and_unload`). Random token ids are used, so a
-model directory without tokenizer files works. For a VLM an image prompt is compared too, so
-vision-tower weights are checked (a text-only prompt never reaches them); its processor is, in order:
+through the patch's trainer-side and engine-side code (shared-memory transport), and judges the sync, not
+the kernels: the synced engine's prompt logprobs against the same engine kind on a reference written to a
+temporary directory: merge mode, the merged checkpoint (peft's merge in fp32, cast to the dtype: what
+export_merged.py writes), on a second engine started before the first (one at a time); adapter mode, the
+adapter as peft saves it, loaded by vLLM's own LoRA loader on the same engine. The sync should reproduce
+it exactly (SYNC_TOLERANCE allows rounding the merge differently). The gap to the HF peft-merged model
+(`merge_and_unload`), which bf16 kernels and a real model's logit magnitudes set, is reported beside it as
+hf_gap, not judged. Random token ids are used, so a model directory without tokenizer files works. For a
+VLM an image prompt is compared too, so vision-tower weights are checked (a text-only prompt never
+reaches them); its processor is, in order:
 --processor DIR (e.g. the base model's hub snapshot), the directory's own, or the family's default built
 around the directory's tokenizer (logprob_check.default_processor). vLLM cannot start a VLM without a
 processor (its processor needs a tokenizer), so a VLM directory with neither processor nor tokenizer
@@ -22,10 +28,11 @@ max_model_len is capped at the model's limit, a text_config without `architectur
 vLLM-CPU cannot run is refused before vLLM starts (logprob_check.engine_settings).
 
 Prints one JSON line alone on stdout (vLLM's and the libraries' logs go to stderr, so `| jq .ok`
-works): max_abs_logprob_diff, before_diff, image_checked, ok, reason, ... and exits 0 iff ok. Each run
-carries its own negative control: before the sync the engine still holds the base weights, and when
-that unsynced engine is already within tolerance of the merged policy (before_diff small: the adapter
-changes nothing a prompt can see, e.g. peft's B = 0 init) the result is not ok, reason "inconclusive".
+works): max_abs_logprob_diff (synced engine vs reference), before_diff, hf_gap, image_checked, ok,
+reason, ... and exits 0 iff ok. Each run carries its own negative control: before the sync the engine
+still holds the base weights, and when that unsynced engine is already within tolerance of the reference
+(before_diff small: the adapter changes nothing a prompt can see, e.g. peft's B = 0 init) the result is not
+ok, reason "inconclusive".
 reason is also "mismatch" (the synced engine differs) or "vision_unchecked". --skip-sync leaves the
 engine on the base weights, so it must report not ok. --mode adapter checks the adapter hot-swap mode
 instead (adapter_mode.py): vLLM starts with LoRA enabled, the sync installs the adapter, and vLLM's
@@ -40,9 +47,10 @@ or shapes do not fit this one (adapter_check.py), a checkpoint vLLM-CPU cannot r
 
     python scripts/verify_sync.py --model DIR --fault {sleep2,drop-bucket,stale,transport} [--processor DIR]
 
-Fault injection (sleep mode and lost transfers cannot be produced on demand): a correct full sync whose
-post-sync probe (probe.py) passes, then the fault, the project's detection, and recovery (a full
-resync, probed). sleep2: the engine's weights overwritten with garbage as a level-2 wake leaves them,
+Fault injection (sleep mode and lost transfers cannot be produced on demand): the probe's floor measured
+on the unsynced engine (probe.py), a correct full sync whose post-sync probe passes, then the fault, the
+project's detection, and recovery (a full resync, probed); each reading's ratio to the floor is printed.
+sleep2: the engine's weights overwritten with garbage as a level-2 wake leaves them,
 then the delta sync the trainer would send unaware; drop-bucket: a full sync with one bucket lost
 (the engine refuses it); stale: the adapters change and no sync follows; transport: the transfer
 raises mid-sync (sync_weights must raise and mark the next sync full). Prints one JSON line with
