@@ -34,6 +34,12 @@ SECTIONS = {
         ("sync bytes", ["train/sync/bytes"]),
         ("full sync (1) or delta (0)", ["train/sync/full"]),
         ("post-sync probe: max |dlogprob| engine vs policy", ["train/sync/probe_max_abs_diff"]),
+        ("post-sync probe: mean over its floor (warn 10, stop 25)", ["train/sync/probe_ratio"]),
+        (
+            "post-sync probe: mean |dlogprob| and the floor's",
+            ["train/sync/probe_mean_abs_diff", "train/sync/probe_floor_mean"],
+        ),
+        ("rollout gen-KL engine vs trainer (gate 1e-3)", ["train/parity/gen_kl"]),
     ],
 }
 
