@@ -136,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
     except Exception as error:
+        from openrlhf_lora_sync.patch import reward_errors
         from openrlhf_lora_sync.patch.run_errors import dead_actor_line
 
-        line = dead_actor_line(error)  # an actor of the run died: one line naming it (run_errors.py)
+        # an actor of the run died (run_errors.py), or no sample of a step got a reward (reward_errors.py)
+        line = dead_actor_line(error) or reward_errors.failure_line(error)
         if line is None:
             raise
         ray.shutdown()  # the run's other actors end now, so their last lines come before this one
