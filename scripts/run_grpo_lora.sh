@@ -24,10 +24,15 @@
 #  2. Renders the recipe with the overrides and checks the flags with OpenRLHF's own parser
 #     (scripts/render_recipe.py --dry-run): prints the command, its environment and the memory estimate.
 #     With --dry-run it stops here: nothing is started.
-#  3. `python scripts/preflight.py --recipe <the rendered recipe>` in the run's environment; a FAIL stops
+#  3. Where the run's data is missing (a fresh clone: data/geometry3k/), converts the recipe's data.source
+#     into it (tools/prepare_data.py --for-recipe; the hub's geometry3k, or data.source=PATH of a local
+#     copy); then loads the reward file and calls reward_func as OpenRLHF does on stand-in completions
+#     (config/reward_check.py). Either failing is one line, exit 2.
+#  4. `python scripts/preflight.py --recipe <the rendered recipe>` in the run's environment; a FAIL stops
 #     the run (SKIP_PREFLIGHT=1 skips it).
-#  4. exec env LORA_SYNC_*=... REWARD_*=... WANDB_MODE=... .venv/bin/python -m openrlhf_lora_sync.patch.launch FLAGS
-# Exit codes: 2 bad arguments or a bad recipe; else preflight's (1), the smoke run's or training's.
+#  5. exec env LORA_SYNC_*=... REWARD_*=... WANDB_MODE=... .venv/bin/python -m openrlhf_lora_sync.patch.launch FLAGS
+# Exit codes: 2 bad arguments, a bad recipe, data that cannot be prepared or a reward file that fails its
+# check; else preflight's (1), the CPU run's or training's.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -78,6 +83,13 @@ fi
 
 resolved="$(mktemp --suffix=.yaml)"
 render --dry-run --resolved "$resolved"
+# The run's data where it is missing (the recipes' data/geometry3k/, from data.source), and its reward file
+# called as OpenRLHF will call it: both stop here with one line (exit 2), before anything starts.
+if ! "$PY" -m openrlhf_lora_sync.tools.prepare_data --for-recipe "$resolved" \
+  || ! "$PY" -m openrlhf_lora_sync.config.reward_check --recipe "$resolved"; then
+  rm -f "$resolved"
+  exit 2
+fi
 # The CPU recipes run the same job through tools/cpu_run.py: OpenRLHF's train_ppo_ray via the launcher on a
 # local Ray cluster, then a summary table, summary.json and reward.png. The learning run adds its control
 # (the same run on an engine not synced after its first sync).
