@@ -245,8 +245,10 @@ def check_dataset(source: str, flags: tuple[str, str], split: str, data, workdir
                 "data",
                 FAIL,
                 f"{shown}: no such file or directory" + ("" if os.path.isabs(name) else f" in {workdir}"),
-                f"write it (`python scripts/prepare_data.py` writes data/geometry3k/) or point "
-                f"{dataset_flag} at one (relative paths: from the launcher's directory, the repo root)",
+                "write it (`bash scripts/run_grpo_lora.sh` converts data.source into a missing "
+                "data/geometry3k/; `python scripts/prepare_data.py --dataset D --output-dir DIR` any other) "
+                f"or point {dataset_flag} at one (relative paths: from the launcher's directory, the repo "
+                "root)",
             )
         if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
             return CheckResult(
