@@ -286,3 +286,17 @@ def test_command_line_and_preflight_report_the_same_line(tmp_path):
     )
     assert done.returncode == 0 and "returned OpenRLHF's dict in 9 calls" in done.stdout, done.stderr[-3000:]
     assert preflight.check_reward(sample_run(path), ROOT).status == preflight.PASS
+
+
+def test_the_run_script_stops_on_a_broken_reward_before_ray_starts(tmp_path):
+    """`run_grpo_lora.sh smoke-cpu reward.remote_url=FILE`: one line, exit 2, and the CPU run (Ray, the
+    engine, the trainer) never starts. The fixed twin passing the same check is the CLI test's control."""
+    path = write(tmp_path / "my_reward.py", CASES[0][1])
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run_grpo_lora.sh"), "smoke-cpu", f"reward.remote_url={path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    lines = [line for line in done.stderr.splitlines() if line.startswith("reward_check:")]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert f"{path}: reward_func raised on an empty completion" in lines[0]
+    assert "cpu_run:" not in done.stderr and "ray" not in done.stderr.lower()
