@@ -25,7 +25,7 @@ import functools
 import logging
 from pathlib import Path
 
-from openrlhf_lora_sync.config.reward_check import describe
+from openrlhf_lora_sync.config.reward_check import describe, where
 
 logger = logging.getLogger("openrlhf_lora_sync")
 
@@ -42,7 +42,7 @@ class RewardFailed(RuntimeError):
 
 
 def _warning_once(path: str, error: BaseException, text: str) -> None:
-    key = f"{type(error).__name__} {text.rpartition('(')[2]}"
+    key = f"{type(error).__name__} {where(error, Path(path).resolve())}"
     if key in _warned:
         return
     _warned.add(key)
