@@ -252,7 +252,7 @@ def test_gpus_hidden_by_an_empty_list(value, hidden):
 def test_ray_itself_refuses_gpus_declared_under_an_empty_list(tmp_path):
     """Why the launcher drops the variable on a CPU run: Ray's own refusal, reproduced (the control for
     the run below, which gets past it)."""
-    env = {**no_gpu_env(tmp_path), "CUDA_VISIBLE_DEVICES": "", "RAY_TMPDIR": str(tmp_path)}
+    env = {**no_gpu_env(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
     script = "import ray; ray.init(address='local', num_gpus=1, include_dashboard=False)"
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
