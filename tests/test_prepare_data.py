@@ -450,3 +450,19 @@ def test_offline_without_a_local_copy_is_one_line_naming_data_source(tmp_path):
     assert "cannot read hiyouga/geometry3k" in lines[1] and "data.source=PATH" in lines[1]
     assert "reward_check" not in done.stdout + done.stderr and "preflight" not in done.stdout
     assert not data.exists()
+
+
+def test_data_source_comes_from_the_environment_unless_the_recipe_sets_it(tmp_path, monkeypatch, capsys):
+    """Docker's way (DATA_SOURCE in .env): base.yaml leaves data.source null, so the variable is used; a
+    recipe key wins over it (the control: the variable then names a folder that does not exist)."""
+    source = store_source("parquet_file", tmp_path)
+    data = tmp_path / "fresh"
+    monkeypatch.setenv("DATA_SOURCE", str(source))
+    sets = [f"data.prompt_dataset={data / 'train.jsonl'}", "eval.dataset=null"]
+    assert prepare_data.prepare_for_run("qwen2_5_vl-7b-4x4090", sets) == 0
+    assert (data / "train.jsonl").is_file() and str(source) in capsys.readouterr().err
+    monkeypatch.setenv("DATA_SOURCE", str(tmp_path / "nowhere"))
+    other = tmp_path / "other"
+    sets = [f"data.prompt_dataset={other / 'train.jsonl'}", "eval.dataset=null", f"data.source={source}"]
+    assert prepare_data.prepare_for_run("qwen2_5_vl-7b-4x4090", sets) == 0
+    assert (other / "train.jsonl").is_file()
