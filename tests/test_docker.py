@@ -116,7 +116,12 @@ def test_compose_volumes_and_command(service):
     targets = {volume["target"] for volume in service["volumes"]}
     assert targets == {"/cache/huggingface", "/opt/qwen-vl-grpo-lora/data", "/opt/qwen-vl-grpo-lora/outputs"}
     command = service["command"][-1]
-    assert command.index("scripts/preflight.py") < command.index("scripts/run_grpo_lora.sh")
+    # The run script's own order: the missing data prepared, the reward file checked, preflight, training.
+    assert command == 'exec bash scripts/run_grpo_lora.sh "$$RECIPE"'
+    script = (ROOT / "scripts" / "run_grpo_lora.sh").read_text()
+    steps = ["prepare_data --for-recipe", "reward_check --recipe", "preflight.py --recipe", "--exec"]
+    places = [script.rindex(step) for step in steps]  # the last mention: the code, after the header
+    assert places == sorted(places)
     assert service["build"]["dockerfile"] == "docker/Dockerfile"
 
 

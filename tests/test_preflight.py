@@ -553,6 +553,7 @@ def test_cli_reports_every_check_and_fails_on_a_denied_probe_with_expandable_seg
         "transport",
         "lora_config",
         "data",
+        "reward",
     }
     assert results["pidfd_getfd"]["status"] == preflight.FAIL
     assert "SYS_PTRACE" in results["pidfd_getfd"]["fix"]
@@ -567,5 +568,5 @@ def test_cli_with_the_users_recipe(tmp_path):
     memory = next(line for line in lines if line.startswith("FAIL  memory"))
     assert "Qwen/Qwen3.5-27B" in memory
     assert any("trainer.offload_params: true" in line for line in lines)
-    assert lines[-1].startswith("preflight: 16 checks")
+    assert lines[-1].startswith("preflight: 17 checks")
     assert completed.returncode == 1

@@ -10,6 +10,7 @@ out through ``SingleTurnAgentExecutor`` with the math reward. No network: the hu
 import asyncio
 import io
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -400,3 +401,68 @@ def test_sample_rollout_through_openrlhf_executor_is_graded(
     assert output["reward"].tolist() == pytest.approx([reward])
     assert output["scores"].tolist() == [score]
     assert output["extra_logs"]["math_accuracy"] == score
+
+
+def run_script(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts" / "run_grpo_lora.sh"), *args],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+
+
+def test_the_main_jobs_path_prepares_missing_data_then_reaches_preflights_verdict(tmp_path):
+    """A fresh clone's first `run_grpo_lora.sh <GPU recipe>`: the run's data is missing, data.source (here a
+    local copy in the hub's parquet layout, in place of the hub) is converted into it with one line, the
+    reward file is checked, and preflight gives its verdict (FAIL here: no GPUs) on the prepared data.
+    Control: the second run finds the data and prepares nothing."""
+    source = store_source("parquet_dir", tmp_path)
+    data = tmp_path / "fresh" / "geometry3k"
+    args = [
+        "qwen2_5_vl-7b-4x4090",
+        f"data.source={source}",
+        f"data.prompt_dataset={data / 'train.jsonl'}",
+        f"eval.dataset={data / 'test.jsonl'}",
+    ]
+    done = run_script(*args)
+    said = [line for line in done.stderr.splitlines() if "missing: converting" in line]
+    assert len(said) == 1 and str(source) in said[0], done.stderr[-3000:]
+    written = sum(outcome.startswith("written") for *_, outcome in TRAIN_ROWS)
+    assert len(read_jsonl(data / "train.jsonl")) == written and read_jsonl(data / "test.jsonl")
+    assert "reward_check: rewards/math_answer.py: reward_func returned OpenRLHF's dict" in done.stdout
+    verdict = done.stdout.splitlines()
+    assert any(line.startswith("PASS  data") for line in verdict), done.stdout[-3000:]
+    assert any(line.startswith("PASS  reward") for line in verdict), done.stdout[-3000:]
+    assert verdict[-1].startswith("preflight: 17 checks") and "gpus" in verdict[-1]
+    assert done.returncode == 1 and "run_grpo_lora: preflight failed" in done.stderr
+
+    again = run_script(*args)
+    assert "missing: converting" not in again.stderr and again.returncode == 1
+
+
+def test_offline_without_a_local_copy_is_one_line_naming_data_source(tmp_path):
+    """Where the hub is out of reach (offline here), the data step stops the run with one line naming the fix,
+    before the reward check and preflight; nothing is written."""
+    data = tmp_path / "fresh" / "geometry3k"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    done = run_script("qwen2_5_vl-7b-4x4090", f"data.prompt_dataset={data / 'train.jsonl'}", env=env)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("prepare_data:")]
+    assert done.returncode == 2 and len(lines) == 2, done.stderr[-3000:]  # what it does, then why it cannot
+    assert "cannot read hiyouga/geometry3k" in lines[1] and "data.source=PATH" in lines[1]
+    assert "reward_check" not in done.stdout + done.stderr and "preflight" not in done.stdout
+    assert not data.exists()
+
+
+def test_data_source_comes_from_the_environment_unless_the_recipe_sets_it(tmp_path, monkeypatch, capsys):
+    """Docker's way (DATA_SOURCE in .env): base.yaml leaves data.source null, so the variable is used; a
+    recipe key wins over it (the control: the variable then names a folder that does not exist)."""
+    source = store_source("parquet_file", tmp_path)
+    data = tmp_path / "fresh"
+    monkeypatch.setenv("DATA_SOURCE", str(source))
+    sets = [f"data.prompt_dataset={data / 'train.jsonl'}", "eval.dataset=null"]
+    assert prepare_data.prepare_for_run("qwen2_5_vl-7b-4x4090", sets) == 0
+    assert (data / "train.jsonl").is_file() and str(source) in capsys.readouterr().err
+    monkeypatch.setenv("DATA_SOURCE", str(tmp_path / "nowhere"))
+    other = tmp_path / "other"
+    sets = [f"data.prompt_dataset={other / 'train.jsonl'}", "eval.dataset=null", f"data.source={source}"]
+    assert prepare_data.prepare_for_run("qwen2_5_vl-7b-4x4090", sets) == 0
+    assert (other / "train.jsonl").is_file()

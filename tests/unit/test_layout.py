@@ -1,4 +1,4 @@
-"""The repo's layout rules (README "Layout"): which package holds what and which way imports go.
+"""The repo's layout rules (docs/layout.md): which package holds what and which way imports go.
 
 - No module of the package (or rewards/) imports one that imports it back, function-local and relative
   imports (`from . import x`, `from ..x import y`, resolved against the importing module's package)

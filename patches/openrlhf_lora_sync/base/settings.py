@@ -9,9 +9,9 @@ run-time code reads with `read()`. A recipe key wins over the environment (`reso
 recipe.py launches. Values are checked the same way wherever they come from (`parse()`): type, choices,
 lower bound, and an empty value is refused rather than dropped.
 
-Covers: the settings OpenRLHF does not have (sync, trainer offload, KL reference, reward weights, wandb
-mode) and the three the launcher sets for the workers (LORA_SYNC_LORA_RANK, LORA_SYNC_RUN_ID,
-LORA_SYNC_WORKDIR).
+Covers: the settings OpenRLHF does not have (sync, trainer offload, KL reference, reward weights, the
+default data's source, wandb mode) and the three the launcher sets for the workers (LORA_SYNC_LORA_RANK,
+LORA_SYNC_RUN_ID, LORA_SYNC_WORKDIR).
 Does not cover: OpenRLHF's own flags, which its parser checks (recipe.py runs it), nor checks that need
 several settings or the model (config_checks.py).
 """
@@ -233,6 +233,15 @@ SETTINGS: tuple[Setting, ...] = (
         2,
         "verifier subprocesses per process that loads the reward (rewards/math_answer.py)",
         minimum=1,
+    ),
+    Setting(
+        "data.source",
+        "DATA_SOURCE",
+        str,
+        "hiyouga/geometry3k",
+        "what scripts/run_grpo_lora.sh converts (tools/prepare_data.py) into data/geometry3k/ when the run's "
+        "data lies there and is missing: a hub dataset id, a parquet file, a folder of parquet files or a "
+        "save_to_disk folder (a local copy where the hub is out of reach)",
     ),
     Setting(
         "logger.wandb.mode",

@@ -22,6 +22,9 @@ Covers
   every Ray actor enters: LORA_SYNC_WORKDIR), and no row over data.max_images_per_prompt. FAILs what stops
   the run (no file, unreadable, no such split or key, a row none of whose images exist, a row over the
   image limit, which vLLM refuses); WARNs rows missing some images or a label, and hub ids (not checked).
+- reward: the run's reward file (reward.remote_url, a .py file) loaded and called as OpenRLHF does it, on
+  the data's first rows with stand-in completions (reward_check.py); FAILs a file that does not load, a
+  reward_func that raises or returns what OpenRLHF cannot read.
 - transport: the recipe's sync.transport (or LORA_SYNC_TRANSPORT) against this host: cuda_ipc FAILs
   without GPUs or where the pidfd_getfd probe is denied, naming shm as the fix.
 - lora_config: openrlhf_lora_sync.config.config_checks on the recipe (DoRA, no LoRA, the rank against the sync
@@ -52,6 +55,7 @@ from pathlib import Path
 
 from openrlhf_lora_sync.base import settings
 from openrlhf_lora_sync.config import config_checks, memory_budget, model_inventory
+from openrlhf_lora_sync.config.dataset_rows import DATA_FILE_BUILDERS, load_local_dataset
 from openrlhf_lora_sync.config.host_checks import (
     FAIL,
     GIB,
@@ -74,6 +78,7 @@ from openrlhf_lora_sync.config.host_checks import (
     detect_gpus,
 )
 from openrlhf_lora_sync.config.recipe import RecipeError, Run, load_run
+from openrlhf_lora_sync.config.reward_check import RewardFileError, check_run_reward
 
 # ----------------------------------------------------------------------------------------- model
 
@@ -151,14 +156,6 @@ def check_model(model: str | None, env: dict) -> CheckResult:
 # ------------------------------------------------------------------------------------------ data
 
 DATA_ROW_CAP = 1000  # rows read per dataset, so that a large one is checked in seconds
-# The extensions openrlhf.datasets.utils.blending_datasets loads with the `datasets` builder they name.
-DATA_FILE_BUILDERS = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".csv": "csv",
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-}
 # Image references load_images fetches or decodes instead of opening as a file (the bare base64 it also
 # accepts is not told apart: it counts as a missing file).
 INLINE_IMAGE_PREFIXES = ("http://", "https://", "data:")
@@ -170,23 +167,6 @@ def image_references(row: dict, key: str) -> list:
     references = row.get(key)
     references = references if isinstance(references, list) else [references]
     return [reference for reference in references if reference is not None]
-
-
-def load_local_dataset(path: Path, data_dir: str | None):
-    """A local dataset opened the way blending_datasets opens it (the builder its extension names, else a
-    save_to_disk directory, else a folder of data files), streamed where it is parsed, so that reading its
-    first rows does not read the rest. Raises what `datasets` raises."""
-    import datasets  # seconds to import on 2 cores: only where there is local data to check
-
-    builder = DATA_FILE_BUILDERS.get(os.path.splitext(path)[1])
-    if builder:
-        return datasets.load_dataset(builder, data_files=str(path), streaming=True)
-    if path.is_dir():
-        try:
-            return datasets.load_from_disk(str(path))
-        except Exception:  # as in blending_datasets: not a save_to_disk directory, read its data files
-            pass
-    return datasets.load_dataset(str(path), data_dir=data_dir, streaming=True)
 
 
 def row_problems(rows: list[dict], data, workdir: Path) -> tuple[list[tuple[str, str, str]], dict]:
@@ -265,8 +245,10 @@ def check_dataset(source: str, flags: tuple[str, str], split: str, data, workdir
                 "data",
                 FAIL,
                 f"{shown}: no such file or directory" + ("" if os.path.isabs(name) else f" in {workdir}"),
-                f"write it (`python scripts/prepare_data.py` writes data/geometry3k/) or point "
-                f"{dataset_flag} at one (relative paths: from the launcher's directory, the repo root)",
+                "write it (`bash scripts/run_grpo_lora.sh` converts data.source into a missing "
+                "data/geometry3k/; `python scripts/prepare_data.py --dataset D --output-dir DIR` any other) "
+                f"or point {dataset_flag} at one (relative paths: from the launcher's directory, the repo "
+                "root)",
             )
         if re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name):
             return CheckResult(
@@ -343,6 +325,21 @@ def check_data(run: Run | None, workdir: Path) -> CheckResult:
         "; ".join(r.fix for r in results if r.status != PASS),
         {"datasets": [r.details for r in results]},
     )
+
+
+def check_reward(run: Run | None, workdir: Path) -> CheckResult:
+    """The run's reward file loaded and called as OpenRLHF does it, on the data's first rows with stand-in
+    completions (reward_check.py)."""
+    if run is None:
+        return CheckResult("reward", NA, "needs a recipe (or --set)")
+    try:
+        name, calls = check_run_reward(run, workdir)
+    except RewardFileError as error:
+        fix = "fix the reward file (rerun this check: python -m openrlhf_lora_sync.config.reward_check)"
+        return CheckResult("reward", FAIL, str(error), fix)
+    if name is None:
+        return CheckResult("reward", NA, "reward.remote_url is not a .py file: not checked")
+    return CheckResult("reward", PASS, f"{name}: reward_func returned OpenRLHF's dict in {calls} calls")
 
 
 # ---------------------------------------------------------------------------------- memory budget
@@ -532,6 +529,7 @@ def run_checks(plan: Plan, env: dict | None = None) -> list[CheckResult]:
     results.append(check_disk(output_dir, need, reason))
     results.append(model_result)
     results.append(check_data(run, Path.cwd()))
+    results.append(check_reward(run, Path.cwd()))
     results.append(check_packages(plan.stack or ("gpu" if gpus else "cpu")))
     results.append(memory_result)
     results.append(host_result)

@@ -84,6 +84,20 @@ def declared_resources(args) -> dict[str, int]:
     return {"num_gpus": gpus, "num_cpus": gpus + 2}
 
 
+VISIBLE_DEVICES_ENV = "CUDA_VISIBLE_DEVICES"
+# Ray refuses to declare GPUs while CUDA_VISIBLE_DEVICES is set but empty ("Attempting to start raylet with 1
+# GPU, but CUDA_VISIBLE_DEVICES contains []"), the usual way of hiding GPUs; a CPU run declares them.
+HIDDEN_GPUS_WITH_CUDA_TORCH = (
+    f"{VISIBLE_DEVICES_ENV} is set but empty and this torch is a CUDA build: Ray cannot declare the GPUs "
+    "OpenRLHF's placement groups ask for; to train on the GPUs, unset it; for the CPU job, use the CPU "
+    "stack (a .venv that bash scripts/setup_env.sh builds where nvidia-smi lists no GPU)"
+)
+
+
+def gpus_hidden_by_empty_list(environ) -> bool:
+    return environ.get(VISIBLE_DEVICES_ENV) is not None and not environ[VISIBLE_DEVICES_ENV].strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     from openrlhf_lora_sync.base import settings
     from openrlhf_lora_sync.config.config_checks import launch_problems
@@ -128,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(cpu_standins.DS_ACCELERATOR_ENV)
         runtime_env["env_vars"].update(cpu_standins.DS_ACCELERATOR_ENV)
         if not os.environ.get("RAY_ADDRESS"):
+            import torch
+
+            if gpus_hidden_by_empty_list(os.environ):
+                if torch.version.cuda is not None:  # dropping it would show the GPUs to Ray's workers
+                    print(f"openrlhf_lora_sync: {HIDDEN_GPUS_WITH_CUDA_TORCH}", file=sys.stderr)
+                    return 2
+                del os.environ[VISIBLE_DEVICES_ENV]  # it hides nothing from a torch without CUDA
             resources = declared_resources(run.args)
     if not ray.is_initialized():
         # "local": a new cluster of this run's own, never one some other job left running on this host.
@@ -136,9 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__", alter_sys=True)
     except Exception as error:
+        from openrlhf_lora_sync.patch import reward_errors
         from openrlhf_lora_sync.patch.run_errors import dead_actor_line
 
-        line = dead_actor_line(error)  # an actor of the run died: one line naming it (run_errors.py)
+        # an actor of the run died (run_errors.py), or no sample of a step got a reward (reward_errors.py)
+        line = dead_actor_line(error) or reward_errors.failure_line(error)
         if line is None:
             raise
         ray.shutdown()  # the run's other actors end now, so their last lines come before this one

@@ -604,6 +604,7 @@ def apply() -> None:
 
     from openrlhf_lora_sync.patch import offload, reference_policy
     from openrlhf_lora_sync.patch.checkpoint import atomic_save_model, logging_resume
+    from openrlhf_lora_sync.patch.reward_errors import install as report_reward_errors
 
     trainer_cls = ppo_actor.ActorPPOTrainer
     if getattr(trainer_cls, _APPLIED_MARK, False):
@@ -633,6 +634,7 @@ def apply() -> None:
     vllm_engine.RolloutRayActor = _lora_engine_actor(vllm_engine.RolloutRayActor)
     reference_policy.install()  # KL reference = the policy with its adapters disabled (reference_policy.py)
     offload.install()  # LORA_SYNC_OFFLOAD_PARAMS=1: the policy's parameters in pinned host memory
+    report_reward_errors()  # a raising reward_func: a warning, a metric, a clear stop (reward_errors.py)
     setattr(trainer_cls, _APPLIED_MARK, True)
 
 

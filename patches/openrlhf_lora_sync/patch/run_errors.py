@@ -44,23 +44,30 @@ def _causes(error: BaseException):
             yield cause
 
 
+def chain(error: BaseException):
+    """`error` and every error it wraps, depth first, each once."""
+    seen, stack = set(), [error]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        stack.extend(reversed(list(_causes(current))))
+
+
 def dead_actor(error: BaseException):
     """The innermost `RayActorError` in `error`'s chain of causes (the actor that died first), or None.
     A RayTaskError whose cause did not pickle carries it as a plain RayError with the cause's text: a
     RayError whose text holds an ActorDiedError's counts too."""
     from ray.exceptions import ActorDiedError, RayActorError, RayError
 
-    found, seen, stack = None, set(), [error]
-    while stack:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
+    found = None
+    for current in chain(error):
         if isinstance(current, RayActorError) or (
             isinstance(current, RayError) and ActorDiedError.BASE_ERROR_MSG in _text(current)
         ):
             found = current  # later finds are deeper in the chain
-        stack.extend(reversed(list(_causes(current))))
     return found
 
 

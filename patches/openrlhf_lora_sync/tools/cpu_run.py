@@ -21,9 +21,12 @@ when it is missing; any other path is used as given and must be a local checkpoi
 --control first runs the same recipe with sync.stale_engine_control (after the first full sync the engine
 is never synced again) into <ckpt.output_dir>/control, then the run itself. Afterwards, from each run's
 <ckpt.output_dir>/metrics/steps.jsonl (written by the patched trainer, openrlhf_patch.py): a summary table,
-summary.json (reward_first / reward_last: mean reward of the first and last REWARD_WINDOW steps, the
+summary.json (ok, reward_first / reward_last: mean reward of the first and last REWARD_WINDOW steps, the
 control's control_reward_first / control_reward_last, the rollout parity: the engine's log-probs of the
 sampled tokens against the trainer's, as gen-KL and token probability ratio) and reward.png.
+Results come only from this invocation's runs: the metrics, summary.json and reward.png an earlier one
+left are removed first; a run that fails (the control or the run) gets one line naming which and its exit
+status, no table or plot, and a summary.json with ok false and the steps it logged.
 Does not cover: GPUs (run_grpo_lora.sh runs the launcher directly there), or choosing hyperparameters.
 """
 
@@ -226,19 +229,35 @@ def main(argv=None) -> int:
         ]
         runs.append((CONTROL, control_dir, control_sets))
     runs.append(("run", out, []))
-    status = 0
-    for name, run_dir, sets in runs:
+    # What an earlier run left is never this run's: a failed run must not show it as its own.
+    for _, run_dir, _ in runs:
         (run_dir / METRICS_FILE).unlink(missing_ok=True)
+    for stale in ("summary.json", "reward.png"):
+        (out / stale).unlink(missing_ok=True)
+    status, failed = 0, None
+    for name, _, sets in runs:
         print(
             f"cpu_run: {name}: OpenRLHF train_ppo_ray through openrlhf_lora_sync.patch.launch",
             file=sys.stderr,
         )
         status = run_trainer(run.path, [*options.set, *sets])
         if status != 0:
-            print(f"cpu_run: the {name} exited with status {status}; see the log above", file=sys.stderr)
+            failed = name
             break
     history, control = read_metrics(out), read_metrics(control_dir) if options.control else []
-    summary = {"ok": status == 0, **summarize(history, control)}
+    if failed:
+        summary = {"ok": False, "failed": failed, "status": status, "recipe": str(run.path)}
+        summary.update(history=history, control_history=control, seconds=time.perf_counter() - started)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(
+            f"cpu_run: FAIL: the {failed} exited with status {status} (the cause is in the log above); "
+            f"no results: it logged {len(control if failed == CONTROL else history)} steps "
+            f"({out / 'summary.json'})",
+            file=sys.stderr,
+        )
+        return status
+    summary = {"ok": True, **summarize(history, control)}
     reward_file = Path((run.args.reward.remote_url or ["reward"])[0]).stem
     curves = {
         "synced: the engine gets every update": [row[REWARD_KEY] for row in history if REWARD_KEY in row]
@@ -282,8 +301,8 @@ def main(argv=None) -> int:
     print(f"reward plot:          {plot or 'not drawn: matplotlib is not installed'}")
     print(f"summary:              {out / 'summary.json'}")
     print(f"total:                {summary['seconds']:.0f} s")
-    print(f"cpu_run: {'OK' if status == 0 else 'FAIL'}: {len(history)} steps of OpenRLHF's train_ppo_ray")
-    return status
+    print(f"cpu_run: OK: {len(history)} steps of OpenRLHF's train_ppo_ray")
+    return 0
 
 
 if __name__ == "__main__":

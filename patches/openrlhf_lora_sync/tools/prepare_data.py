@@ -16,7 +16,11 @@ The image items come first, one per image, with the question's ``<image>`` tags 
 ``rewards.math_answer.PROMPT_INSTRUCTIONS[--answer-format]`` (choices and default: the setting
 ``reward.answer_format`` in openrlhf_lora_sync.base.settings), so run the reward with the same
 ``REWARD_ANSWER_FORMAT``. The default ``--output-dir`` is ``data/geometry3k`` in the checkout, where the
-recipes' ``data.prompt_dataset`` points. Train with::
+recipes' ``data.prompt_dataset`` points. ``--for-recipe RECIPE`` is scripts/run_grpo_lora.sh's step: it
+converts the recipe's ``data.source`` (default: the hub's geometry3k; a local copy offline) into the
+directory of each dataset the run names that is missing there (SPLIT.jsonl in a folder with no JSONL yet),
+image paths relative to the repository root, and says so in one line (or, when the source cannot be read,
+one line naming ``data.source=PATH``). Train with::
 
     --data.prompt_dataset OUTPUT_DIR/train.jsonl --data.input_key prompt --data.label_key label
     --data.image_key images --data.apply_chat_template --data.max_images_per_prompt N
@@ -53,7 +57,7 @@ from tqdm import tqdm
 from openrlhf_lora_sync import REPO_ROOT
 from openrlhf_lora_sync.base import settings
 from openrlhf_lora_sync.config import preflight
-from openrlhf_lora_sync.config.recipe import RECIPES_DIR, load_recipe
+from openrlhf_lora_sync.config.recipe import RECIPES_DIR, RecipeError, Run, load_recipe, load_run
 from rewards.math_answer import PROMPT_INSTRUCTIONS
 
 IMAGE_TAG = "<image>"
@@ -270,6 +274,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-rows", type=int, help="convert at most this many rows per split (default: all)"
     )
     parser.add_argument(
+        "--for-recipe",
+        metavar="RECIPE",
+        help="prepare what this run's data needs, only where it is missing (scripts/run_grpo_lora.sh's "
+        "step; the source is the recipe's data.source; the other flags are ignored)",
+    )
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with --for-recipe")
+    parser.add_argument(
         "--max-images-per-prompt",
         type=positive_int,
         default=recipe_image_limit(),
@@ -312,7 +323,72 @@ def prepare(argv: list[str] | None = None) -> dict[str, SplitSummary]:
     return summaries
 
 
+def missing_outputs(run: Run, workdir: Path = REPO_ROOT) -> dict[Path, list[Path]]:
+    """The run's datasets (data.prompt_dataset, eval.dataset) this converter would write and that do not
+    exist, by output directory: SPLIT.jsonl files missing from a directory that holds no .jsonl yet (a
+    fresh location, not a typo in a folder of data someone made)."""
+    sources = [run.args.data.prompt_dataset, run.args.eval.dataset]
+    paths = [workdir / part.partition("@")[0].strip() for s in sources if s for part in s.split(",")]
+    missing: dict[Path, list[Path]] = {}
+    for path in paths:
+        if path.suffix == ".jsonl" and not path.exists() and not any(path.parent.glob("*.jsonl")):
+            missing.setdefault(path.parent, []).append(path)
+    return missing
+
+
+def prepare_for_run(recipe: str, sets: list[str]) -> int:
+    """Converts the run's data.source into each missing output directory (missing_outputs), with the run's
+    answer format and image limit; 0 when nothing was missing or it was written, 2 (one line) when the
+    source cannot be read or lacks a split the run names."""
+    try:
+        run = load_run(recipe, sets)
+    except RecipeError as error:
+        print("\n".join(f"prepare_data: {line}" for line in str(error).splitlines()), file=sys.stderr)
+        return 2
+    source = run.setting("data.source")
+    for output_dir, paths in missing_outputs(run).items():
+        names = ", ".join(str(path) for path in paths)
+        print(
+            f"prepare_data: {names} missing: converting {source} (data.source) into {output_dir}",
+            file=sys.stderr,
+        )
+        try:
+            loaded = load_source(source)
+        except Exception as error:  # the hub out of reach, or a local copy `datasets` cannot read
+            reason = (str(error).strip().splitlines() or [""])[0][:200]
+            print(
+                f"prepare_data: cannot read {source} ({type(error).__name__}: {reason}); offline, copy the "
+                "dataset here and give its path: data.source=PATH (a parquet file or folder, a save_to_disk "
+                "folder), or run python scripts/prepare_data.py --dataset PATH",
+                file=sys.stderr,
+            )
+            return 2
+        lacking = [path.stem for path in paths if path.stem not in loaded]
+        if lacking:
+            print(
+                f"prepare_data: {source} has no split {', '.join(lacking)} (it has {', '.join(loaded)}): "
+                "point data.prompt_dataset / eval.dataset at SPLIT.jsonl of one it has",
+                file=sys.stderr,
+            )
+            return 2
+        summaries = convert(
+            loaded,
+            output_dir,
+            answer_format=run.setting("reward.answer_format"),
+            splits=[path.stem for path in paths],
+            datasource=Path(source.rstrip("/")).stem,
+            relative_to=REPO_ROOT,  # the launcher's directory: opens in the actors here and in Docker
+            max_images_per_prompt=run.args.data.max_images_per_prompt or None,  # 0: a text run, the default
+        )
+        for split_name, summary in summaries.items():
+            print(f"prepare_data: {split_name}: {summary}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.for_recipe:
+        return prepare_for_run(args.for_recipe, args.set)
     prepare(argv)
     return 0
 
