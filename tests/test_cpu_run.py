@@ -98,6 +98,11 @@ def test_the_main_job_is_openrlhfs_trainer_and_learns_above_its_control(learn_ru
     # A step's row carries the sync that ended the step before it: the first has none.
     probes = [row[PROBE] for row in summary["history"] if PROBE in row]
     assert len(probes) >= len(summary["history"]) - 2 and max(probes) < 0.1, probes
+    # The probe's floor, measured once before the first sync, and every probe's verdict against it.
+    assert "post-sync probe: 24 tokens, floor max" in log
+    verdicts = [row["sync/probe_verdict"] for row in summary["history"] if "sync/probe_verdict" in row]
+    assert len(verdicts) == len(probes) and set(verdicts) == {0}, verdicts
+    assert summary["parity"]["gen_kl_over_gate_steps"] == 0  # no gen-KL warning on a synced run
     assert (out / "adapter_config.json").is_file() and (out / "control" / "adapter_config.json").is_file()
     assert (out / "reward.png").is_file() and (out / cpu_run.METRICS_FILE).is_file()
     assert "mean reward, first 5 -> last 5 steps" in done.stdout and "rollout parity" in done.stdout

@@ -55,6 +55,7 @@ TABLE_COLUMNS = (  # (metrics key, header, format)
     ("sync/bytes", "MiB", "{:.2f}"),
     ("sync/seconds", "sync s", "{:.2f}"),
     ("sync/probe_max_abs_diff", "probe", "{:.1e}"),
+    ("sync/probe_ratio", "probe/floor", "{:.1f}"),
     ("parity/gen_kl", "gen-KL", "{:.1e}"),
     (f"{CONTROL}:parity/gen_kl", "ctl gen-KL", "{:.1e}"),
     ("timing/step_total", "step s", "{:.1f}"),
@@ -138,6 +139,8 @@ def parity_summary(history: list[dict]) -> dict[str, float | None]:
         "gen_kl_mean": sum(gen_kl) / len(gen_kl) if gen_kl else None,
         "gen_kl_max": max(gen_kl, default=None),
         "prob_ratio_mean": sum(ratio) / len(ratio) if ratio else None,
+        # Steps whose gen-KL was above sync.gen_kl_gate (openrlhf_patch.gen_kl_gate warned at each).
+        "gen_kl_over_gate_steps": sum(row.get("parity/gen_kl_over_gate", 0) for row in history),
     }
 
 
@@ -288,7 +291,8 @@ def main(argv=None) -> int:
     if parity["gen_kl_mean"] is not None:
         print(
             f"rollout parity (engine vs trainer log-probs of the sampled tokens): mean gen-KL "
-            f"{parity['gen_kl_mean']:.2e} (max {parity['gen_kl_max']:.2e}), token probability ratio "
+            f"{parity['gen_kl_mean']:.2e} (max {parity['gen_kl_max']:.2e}; "
+            f"{parity['gen_kl_over_gate_steps']:.0f} step(s) over the gate), token probability ratio "
             f"{parity['prob_ratio_mean']:.4f}"
         )
     print(f"model:                {model}")
