@@ -35,4 +35,6 @@ UPSTREAM_TESTS=(
 )
 
 bash scripts/setup_env.sh "$stack_flag"
+# The run script (test_cpu_run.py starts it) takes this stack's Python too.
+export LORA_SYNC_PYTHON="$ROOT/$venv/bin/python"
 "$venv/bin/python" -m pytest "${UPSTREAM_TESTS[@]}" "$@"

@@ -227,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     requirements.add_argument("--exclude", nargs="*", default=[])
     check = commands.add_parser("check", help="exit 1 when installed versions differ from the pins")
     check.add_argument("--stack", choices=STACKS, required=True)
+    commands.add_parser(
+        "supported",
+        help="print each installed release with its status (tested, in range, refused); exit 1 on refused",
+    )
     print_fingerprint = commands.add_parser("fingerprint", help="hash of the inputs that build .venv/")
     print_fingerprint.add_argument("--stack", choices=STACKS, required=True)
     args = parser.parse_args(argv)
@@ -248,6 +252,16 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(problem)
         return 1 if problems else 0
+    elif args.command == "supported":
+        installed = installed_versions()
+        status = version_status(installed)
+        for name in CHECKED:
+            print(
+                f"{SHOWN_AS[name]} {installed[name]} ({status[name]})"
+                if name in installed
+                else f"{name}: not installed"
+            )
+        return 1 if "refused" in status.values() or len(installed) < len(CHECKED) else 0
     elif args.command == "fingerprint":
         print(fingerprint(args.stack))
     return 0
