@@ -2,7 +2,8 @@
 installed OpenRLHF, vLLM or peft itself does. CI runs this on the default and the oldest stack, where each
 shim takes its other branch (tests/test_openrlhf_contract.py checks which form each release has).
 
-Covers: the deferred-attention predicate on vLLM's own layer classes, the LoRA weights mapper on a real
+Covers: the deferred-attention predicate on vLLM's own layer classes, checkpoint names loaded into a
+LoRA-wrapped layer by vLLM's own loader, the LoRA weights mapper on a real
 model's hf_to_vllm_mapper, the IS-correction flag through OpenRLHF's own parser (recipe.py runs it), peft's
 no-match error from a real get_peft_model. The shims inside a sync, a launch and a training run: the sync,
 adapter-mode, config-check and learning-run tests on the oldest stack, which fail without them.
@@ -27,6 +28,25 @@ def test_deferred_attention_layers_are_vllms_attention_classes():
         assert upstream_versions.is_deferred_attention_layer(cls.__new__(cls)), cls
     # control: an ordinary layer is processed in order
     assert not upstream_versions.is_deferred_attention_layer(nn.Linear(2, 2))
+
+
+def test_checkpoint_names_load_into_a_lora_wrapped_layer():
+    """What a full sync of the base does to an adapter-mode engine, on vLLM's own loader and LoRA wrapper
+    class (a plain linear layer wrapped, no engine): `proj.weight` lands in `proj.base_layer.weight`."""
+    from vllm.lora.layers.base import BaseLayerWithLoRA
+    from vllm.model_executor.models.utils import AutoWeightsLoader
+
+    upstream_versions.backport_lora_layer_loading()
+    wrapped = BaseLayerWithLoRA()
+    wrapped.base_layer = nn.Linear(2, 2, bias=False)
+    model = nn.Module()
+    model.proj = wrapped
+    weight = torch.arange(4.0).reshape(2, 2)
+    loaded = AutoWeightsLoader(model).load_weights([("proj.weight", weight)])
+    assert set(loaded) == {"proj.weight"} and torch.equal(wrapped.base_layer.weight.data, weight)
+    # control: a name the wrapped layer lacks is still refused
+    with pytest.raises(ValueError, match="no module or parameter named"):
+        AutoWeightsLoader(model).load_weights([("proj.bias", torch.zeros(2))])
 
 
 def test_lora_mapper_keeps_the_unstacked_names_and_the_renames():

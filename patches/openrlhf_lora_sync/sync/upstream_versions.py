@@ -3,7 +3,8 @@ this package meets, in one place: each shim names the release that changed the b
 form by what the installed package has (a git or nightly build carries the number of the release it
 forked from, so the code is asked, not the version). Nothing else in the package branches on versions.
 
-Covers: vLLM 0.28 (deferred attention layers of the layerwise reload), vLLM 0.29 (the LoRA weights mapper),
+Covers: vLLM 0.28 (deferred attention layers of the layerwise reload; base weights into LoRA-wrapped
+layers), vLLM 0.29 (the LoRA weights mapper),
 OpenRLHF 0.11.2 (the IS-correction flag), peft 0.21 (the error for target modules that match nothing).
 tests/test_upstream_versions.py runs each shim on the installed release and tests/test_openrlhf_contract.py
 checks which form it has; CI runs both on the default and the oldest stack, where the sync, adapter-mode,
@@ -30,6 +31,28 @@ def is_deferred_attention_layer(layer: torch.nn.Module) -> bool:
     if hasattr(attention, "is_deferred_attention_layer"):
         return attention.is_deferred_attention_layer(layer)
     return isinstance(layer, (attention.Attention, attention.MLAAttention))
+
+
+def backport_lora_layer_loading() -> None:
+    """Lets vLLM's loader put a checkpoint name (`embed_tokens.weight`) into a layer that vLLM's LoRA wraps
+    (an engine started with enable_lora: adapter mode), which a full sync of the base needs. vLLM 0.28 gave
+    BaseLayerWithLoRA a `load_weights` that loads into the wrapped `base_layer`; vLLM 0.27's loader refuses
+    such names ("There is no module or parameter named 'embed_tokens.weight' ... {'embed_tokens.base_layer
+    .weight'}"). On 0.27 this adds 0.28's method to the class (lora/layers/base.py); idempotent."""
+    from vllm.lora.layers.base import BaseLayerWithLoRA
+
+    if "load_weights" in vars(BaseLayerWithLoRA):
+        return
+
+    def load_weights(self, weights):
+        base_load_weights = getattr(self.base_layer, "load_weights", None)
+        if callable(base_load_weights):
+            return base_load_weights(weights)
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+
+        return AutoWeightsLoader(self.base_layer).load_weights(weights)
+
+    BaseLayerWithLoRA.load_weights = load_weights
 
 
 def lora_weights_mapper(mapper):

@@ -46,7 +46,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from openrlhf_lora_sync.sync.bucket import TensorMeta, unpack
-from openrlhf_lora_sync.sync.upstream_versions import is_deferred_attention_layer, lora_weights_mapper
+from openrlhf_lora_sync.sync.upstream_versions import (
+    backport_lora_layer_loading,
+    is_deferred_attention_layer,
+    lora_weights_mapper,
+)
 
 WORKER_EXTENSION_CLS = f"{__name__}.LoraSyncWorkerExtension"
 
@@ -148,6 +152,7 @@ class LoraSyncWorkerExtension(WorkerWrap):
     def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         if not getattr(self, "_lora_sync_open", False):
             raise WeightSyncError("bucket received outside begin_weight_sync/finish_weight_sync")
+        backport_lora_layer_loading()  # vLLM 0.27: base weights into LoRA-wrapped layers (adapter mode)
         start = time.perf_counter()
         dtype = self.model_config.dtype
         named = [(name, tensor if tensor.dtype == dtype else tensor.to(dtype)) for name, tensor in named]
