@@ -38,7 +38,13 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-PY=.venv/bin/python
+# Python: LORA_SYNC_PYTHON when set; else .venv/'s; else, without .venv/, the active environment's
+# `python` when it has OpenRLHF and this repo (`pip install --no-deps -e .`); else .venv/ is built below.
+PY=${LORA_SYNC_PYTHON:-.venv/bin/python}
+if [[ -z ${LORA_SYNC_PYTHON:-} && ! -x $PY ]] && python -c 'import importlib.util as u, sys
+sys.exit(not all(u.find_spec(m) for m in ("openrlhf", "vllm", "openrlhf_lora_sync")))' 2>/dev/null; then
+  PY=$(command -v python)
+fi
 DEFAULT_GPU_RECIPE=recipes/qwen2_5_vl-7b-4x4090.yaml
 DEFAULT_CPU_RECIPE=recipes/learn-cpu.yaml
 
@@ -75,7 +81,9 @@ if [[ -z $recipe ]]; then
       "the CPU learning run $recipe"
   fi
 fi
-if [[ ! -x $PY ]]; then
+if [[ -n ${LORA_SYNC_PYTHON:-} || $PY != .venv/bin/python ]]; then
+  say "using $PY (its OpenRLHF, vLLM, DeepSpeed and peft; preflight prints their versions)"
+elif [[ ! -x $PY ]]; then
   say "first use: building .venv/ with bash scripts/setup_env.sh (the pinned stack; takes minutes)"
   bash scripts/setup_env.sh
 fi

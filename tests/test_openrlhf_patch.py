@@ -36,19 +36,13 @@ def test_apply_is_idempotent():
     assert openrlhf_patch.is_applied()
 
 
-@pytest.mark.parametrize("package, fake_version", [("openrlhf", "0.11.3"), ("vllm", "0.27.1")])
-def test_refuses_versions_it_was_not_written_for(package, fake_version, monkeypatch):
-    if package == "openrlhf":
-        monkeypatch.setattr("importlib.metadata.version", lambda name: fake_version)
-    else:
-        monkeypatch.setattr("vllm.__version__", fake_version)
-    with pytest.raises(pins.UnsupportedVersionError) as error:
-        pins.check_versions()
-    supported = pins.supported_versions()
-    assert fake_version in str(error.value)
-    assert f"OpenRLHF {supported['openrlhf']}" in str(error.value) and f"vLLM {supported['vllm']}" in str(
-        error.value
-    )
+def test_apply_refuses_an_openrlhf_outside_the_supported_range(monkeypatch):
+    """apply() checks before it patches (the ranges themselves: tests/unit/test_supported_versions.py)."""
+    found = {**pins.installed_versions(), "openrlhf": "0.10.4"}
+    monkeypatch.setattr(pins, "installed_versions", lambda: found)
+    monkeypatch.setattr(ppo_actor.ActorPPOTrainer, openrlhf_patch._APPLIED_MARK, False, raising=False)
+    with pytest.raises(pins.UnsupportedVersionError, match="OpenRLHF 0.10.4 is outside >=0.11.0"):
+        openrlhf_patch.apply()
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from openrlhf_lora_sync.base import pins
 from openrlhf_lora_sync.config import host_checks, memory_budget, model_inventory, preflight
 from openrlhf_lora_sync.config import recipe as render_recipe
 from PIL import Image
@@ -422,15 +423,63 @@ def test_data_without_a_recipe_or_a_dataset_is_not_checked():
 def test_packages_match_the_pins_here():
     result = host_checks.check_packages("cpu")
     assert result.status == preflight.PASS, result.summary
+    installed = pins.installed_versions()
+    assert f"OpenRLHF {installed['openrlhf']} (tested)" in result.summary and "(tested)" in result.summary
 
 
-def test_packages_mismatch_names_the_fix(tmp_path):
-    fake_python = tmp_path / "python"
-    fake_python.write_text("#!/bin/sh\necho 'torch: installed 2.0.0, pinned 2.13.0'\nexit 1\n")
-    fake_python.chmod(0o755)
-    result = host_checks.check_packages("gpu", python=str(fake_python))
-    assert result.status == preflight.FAIL
-    assert "torch: installed 2.0.0" in result.summary and result.fix == "bash scripts/setup_env.sh --gpu"
+def fake_python(tmp_path, supported: str, supported_rc: int, pins_check: str, check_rc: int) -> str:
+    """A `python` answering pins.py's two commands as another environment would."""
+    path = tmp_path / "python"
+    path.write_text(
+        f'#!/bin/sh\nif [ "$2" = supported ]; then echo "{supported}"; exit {supported_rc}; fi\n'
+        f'echo "{pins_check}"; exit {check_rc}\n'
+    )
+    path.chmod(0o755)
+    return str(path)
+
+
+# (pins.py supported's answer and exit code, pins.py check's, the status, fragments of summary and fix)
+PACKAGE_CASES = [
+    # a release outside [supported]: refused, naming the setup and the setting
+    ("OpenRLHF 0.10.4 (refused)", 1, "", 0, {}, preflight.FAIL, ("OpenRLHF 0.10.4", "setup_env.sh --gpu")),
+    # ... unless the run allows untested releases: a warning
+    (
+        "OpenRLHF 0.10.4 (refused)",
+        1,
+        "",
+        0,
+        {"LORA_SYNC_ALLOW_UNTESTED_VERSIONS": "1"},
+        preflight.WARN,
+        ("OpenRLHF 0.10.4",),
+    ),
+    # within range but not the pinned stack (a user's environment): runs, with a warning
+    (
+        "OpenRLHF 0.11.3 (in range)",
+        0,
+        "torch: installed 2.0.0, pinned 2.13.0",
+        1,
+        {},
+        preflight.WARN,
+        ("OpenRLHF 0.11.3 (in range)", "torch: installed 2.0.0", "setup_env.sh --gpu"),
+    ),
+    # control: the pinned stack
+    ("OpenRLHF 0.11.2 (tested)", 0, "", 0, {}, preflight.PASS, ("OpenRLHF 0.11.2 (tested)",)),
+]
+
+
+@pytest.mark.parametrize(
+    "supported, supported_rc, pins_check, check_rc, env, status, fragments", PACKAGE_CASES
+)
+def test_packages_report_each_release_and_the_fix(
+    supported, supported_rc, pins_check, check_rc, env, status, fragments, tmp_path, monkeypatch
+):
+    monkeypatch.delenv("LORA_SYNC_ALLOW_UNTESTED_VERSIONS", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    python = fake_python(tmp_path, supported, supported_rc, pins_check, check_rc)
+    result = host_checks.check_packages("gpu", python=python)
+    assert result.status == status
+    assert all(fragment in f"{result.summary} {result.fix}" for fragment in fragments), result
 
 
 def test_memory_fails_for_the_users_27b_with_the_knob():

@@ -378,7 +378,7 @@ def test_a_non_editable_install_reads_its_packaged_pins(tmp_path):
     assert pins_file.is_file() and not pins_file.is_symlink()
     probe = (
         "import openrlhf_lora_sync.base.pins as p, openrlhf_lora_sync.base.settings as s, rewards;"
-        "print(p.__file__); print(p.supported_versions()['openrlhf'], s.read('sync.bucket_mb'))"
+        "print(p.__file__); print(p.supported_ranges()['openrlhf'], s.read('sync.bucket_mb'))"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe],
@@ -390,5 +390,5 @@ def test_a_non_editable_install_reads_its_packaged_pins(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     installed_at, versions = done.stdout.splitlines()
-    pinned = tomllib.loads((ROOT / "versions.toml").read_text())["shared"]["openrlhf"]
-    assert installed_at.startswith(str(target)) and versions == f"{pinned} 128"
+    supported = tomllib.loads((ROOT / "versions.toml").read_text())["supported"]["openrlhf"]
+    assert installed_at.startswith(str(target)) and versions == f"{supported} 128"

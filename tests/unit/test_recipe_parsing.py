@@ -213,6 +213,7 @@ def test_repo_keys_become_environment_variables_and_never_flags():
         "LORA_SYNC_REFERENCE_FROM_BASE": "1",
         "LORA_SYNC_OFFLOAD_PARAMS": "0",
         "LORA_SYNC_STALE_ENGINE_CONTROL": "0",
+        "LORA_SYNC_ALLOW_UNTESTED_VERSIONS": "0",
     }
     repo_flags = [token for token in result.argv if token[2:] in settings.BY_KEY]
     assert not repo_flags

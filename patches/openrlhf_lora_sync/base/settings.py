@@ -190,6 +190,14 @@ SETTINGS: tuple[Setting, ...] = (
         "the KL reference is the policy with its adapters disabled, no reference model (reference_policy.py)",
     ),
     Setting(
+        "sync.allow_untested_versions",
+        "LORA_SYNC_ALLOW_UNTESTED_VERSIONS",
+        bool,
+        False,
+        "an OpenRLHF, vLLM, peft or DeepSpeed release outside versions.toml's [supported] ranges is run with "
+        "a warning instead of refused (pins.check_versions)",
+    ),
+    Setting(
         "trainer.offload_params",
         "LORA_SYNC_OFFLOAD_PARAMS",
         bool,

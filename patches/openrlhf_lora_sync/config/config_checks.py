@@ -32,7 +32,7 @@ Covers
   run here has shown otherwise.
 - data.max_len (train_ppo_ray.py:53 passes it to vLLM as max_model_len) above the model's
   max_position_embeddings: vLLM refuses that inside its engine actor, after the trainer has loaded.
-- OpenRLHF/vLLM releases other than the pinned ones (pins.check_versions).
+- OpenRLHF, vLLM, peft or DeepSpeed releases outside versions.toml's [supported] (pins.check_versions).
 Does not cover: host checks (the transport the host forbids is preflight's `transport` check, which
 needs its pidfd_getfd probe), nor whether the model fits (memory_budget.py).
 """
@@ -209,12 +209,12 @@ def target_problems(run, model: str, reference: dict | None = None) -> list[Conf
 
     from peft import get_peft_model
     from peft.tuners.lora import LoraLayer
-    from peft.utils.error import NoMatchingPeftModuleError
     from torch import nn
     from transformers import AutoConfig
 
     from openrlhf_lora_sync.sync.adapter_mode import check_adapter_mode_supported
     from openrlhf_lora_sync.sync.merge import UnsupportedAdapterError, check_supported_adapters
+    from openrlhf_lora_sync.sync.upstream_versions import is_no_matching_module_error
 
     lora = run.args.ds.lora
     rank = lora.rank
@@ -237,7 +237,9 @@ def target_problems(run, model: str, reference: dict | None = None) -> list[Conf
     lora_config = openrlhf_lora_config(rank, lora.alpha, targets, lora.dropout)
     try:
         peft_model = get_peft_model(base, lora_config)
-    except NoMatchingPeftModuleError:
+    except ValueError as error:
+        if not is_no_matching_module_error(error):  # peft refuses a matched module type it has no LoRA for
+            return [ConfigProblem(key, f"peft refuses {targets} on {model}: {error}", TARGET_LINEAR_FIX)]
         return [
             ConfigProblem(
                 key,
@@ -246,8 +248,6 @@ def target_problems(run, model: str, reference: dict | None = None) -> list[Conf
                 f"list module names of this model; its linear layers are named {', '.join(linear_names)}",
             )
         ]
-    except ValueError as error:  # peft refuses a matched module type it has no LoRA layer for
-        return [ConfigProblem(key, f"peft refuses {targets} on {model}: {error}", TARGET_LINEAR_FIX)]
     adapter_mode = run.setting("sync.mode") == "adapter"
     try:  # what the trainer refuses when it is built, on the weightless model
         (check_adapter_mode_supported if adapter_mode else check_supported_adapters)(peft_model)
@@ -317,11 +317,13 @@ def length_problems(run, model: str) -> list[ConfigProblem]:
     ]
 
 
-def version_problems(installed: dict[str, str] | None = None) -> list[ConfigProblem]:
+def version_problems(
+    installed: dict[str, str] | None = None, allow_untested: bool | None = None
+) -> list[ConfigProblem]:
     from openrlhf_lora_sync.base.pins import UnsupportedVersionError, check_versions
 
     try:
-        check_versions(installed)
+        check_versions(installed, allow_untested)
     except UnsupportedVersionError as error:
         return [ConfigProblem("versions", str(error), "bash scripts/setup_env.sh")]
     return []
@@ -333,7 +335,7 @@ def version_problems(installed: dict[str, str] | None = None) -> list[ConfigProb
 def launch_problems(run, installed: dict[str, str] | None = None) -> list[ConfigProblem]:
     """The launcher's checks beyond recipe.run_from_argv's: the versions, and the targets against the
     model when its config is here (a hub id not yet downloaded is checked by preflight's warning only)."""
-    problems = version_problems(installed)
+    problems = version_problems(installed, run.setting("sync.allow_untested_versions"))
     model = run.args.actor.model_name_or_path
     if isinstance(model, str) and not problems:
         problems += [*length_problems(run, model), *target_problems(run, model)]

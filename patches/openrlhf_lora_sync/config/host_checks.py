@@ -22,8 +22,9 @@ Covers
 - nccl_p2p: GeForce cards (RTX 4090) have no peer-to-peer: NCCL_P2P_DISABLE=1 is recommended.
 - wandb: WANDB_API_KEY, ~/.netrc for api.wandb.ai, the recipe's logger.wandb.key, or offline mode.
 - disk: free space at the output directory against the checkpoints the recipe keeps.
-- packages: `pins.py check --stack cpu|gpu` (installed versions against versions.toml), run by the Python
-  that will train (`python`), which need not be this one.
+- packages: `pins.py supported` (OpenRLHF, vLLM, peft, DeepSpeed: tested, in range or refused) and
+  `pins.py check --stack cpu|gpu` (every pin), run by the Python that will train (`python`), which need not
+  be this one.
 Does not cover: network reachability (hub, wandb), NCCL itself, the driver/CUDA version match (torch
 reports that on first use), multi-node setups.
 """
@@ -42,7 +43,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from openrlhf_lora_sync.base import pins
+from openrlhf_lora_sync.base import pins, settings
 
 GIB = 1024**3
 PASS, WARN, FAIL, NA = "PASS", "WARN", "FAIL", "N/A"
@@ -469,16 +470,34 @@ def check_disk(output_dir: Path, need_bytes: float, reason: str) -> CheckResult:
 
 
 def check_packages(stack: str, python: str = sys.executable) -> CheckResult:
-    command = [python, pins.__file__, "check", "--stack", stack]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    """The releases the training Python (`python`) has: each of OpenRLHF, vLLM, peft and DeepSpeed tested
+    (a stack of versions.toml pins it), in range ([supported]) or refused (pins.check_versions refuses it
+    at run time: FAIL), then every pin of `stack` (a difference is a WARN: untested, not refused)."""
+    ranges = subprocess.run([python, pins.__file__, "supported"], capture_output=True, text=True, timeout=300)
+    found = "; ".join(ranges.stdout.strip().splitlines()) or ranges.stderr.strip()
+    if ranges.returncode != 0:
+        allowed = settings.read(pins.ALLOW_UNTESTED)  # the run's environment (preflight runs in it)
+        return CheckResult(
+            "packages",
+            WARN if allowed else FAIL,
+            f"{found}: outside versions.toml [supported]",
+            f"bash scripts/setup_env.sh --{stack} (the tested stack), or install releases in range"
+            + ("" if allowed else f", or {pins.ALLOW_UNTESTED}=1 to run untested"),
+            {"versions": found},
+        )
+    result = subprocess.run(
+        [python, pins.__file__, "check", "--stack", stack], capture_output=True, text=True, timeout=300
+    )
     problems = result.stdout.strip().splitlines()
     if result.returncode == 0:
-        return CheckResult("packages", PASS, f"installed versions match versions.toml ({stack} stack)")
+        return CheckResult(
+            "packages", PASS, f"{found}; installed versions match versions.toml ({stack} stack)"
+        )
     shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
     return CheckResult(
         "packages",
-        FAIL,
-        f"{stack} stack differs from versions.toml: {shown or result.stderr.strip()}",
-        f"bash scripts/setup_env.sh --{stack}",
-        {"mismatches": problems},
+        WARN,
+        f"{found}; {stack} stack differs from versions.toml: {shown or result.stderr.strip()}",
+        f"none needed to run; bash scripts/setup_env.sh --{stack} builds the tested stack",
+        {"mismatches": problems, "versions": found},
     )

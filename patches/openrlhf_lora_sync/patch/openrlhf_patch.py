@@ -460,10 +460,12 @@ def _with_rollout_parity(upstream_rollout_stats):
     vLLM's log-probs here are the raw model's (before temperature), so they are compared only when the
     rollout temperature is 1 or OpenRLHF asked vLLM for processed log-probs (its IS correction)."""
 
+    from openrlhf_lora_sync.sync.upstream_versions import is_correction_on
+
     def _compute_rollout_stats(self, experiences):
         stats = upstream_rollout_stats(self, experiences)
         algo = self.args.algo.advantage
-        if self.args.rollout.temperature == 1.0 or algo.is_correction_level != "off":
+        if self.args.rollout.temperature == 1.0 or is_correction_on(algo):
             stats.update(rollout_parity(experiences))
             self._lora_sync_rollout_steps = getattr(self, "_lora_sync_rollout_steps", 0) + 1
             stats.update(gen_kl_gate(stats, self._lora_sync_rollout_steps, self))

@@ -46,6 +46,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from openrlhf_lora_sync.sync.bucket import TensorMeta, unpack
+from openrlhf_lora_sync.sync.upstream_versions import (
+    backport_lora_layer_loading,
+    is_deferred_attention_layer,
+    lora_weights_mapper,
+)
 
 WORKER_EXTENSION_CLS = f"{__name__}.LoraSyncWorkerExtension"
 
@@ -147,6 +152,7 @@ class LoraSyncWorkerExtension(WorkerWrap):
     def _load(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         if not getattr(self, "_lora_sync_open", False):
             raise WeightSyncError("bucket received outside begin_weight_sync/finish_weight_sync")
+        backport_lora_layer_loading()  # vLLM 0.27: base weights into LoRA-wrapped layers (adapter mode)
         start = time.perf_counter()
         dtype = self.model_config.dtype
         named = [(name, tensor if tensor.dtype == dtype else tensor.to(dtype)) for name, tensor in named]
@@ -220,7 +226,6 @@ class LoraSyncWorkerExtension(WorkerWrap):
     def finish_weight_sync(self, expect_every_layer: bool = False) -> dict:
         """Finalize the reload and report what was loaded. Raises when a layer got only part of its
         tensors, or (full syncs: expect_every_layer) when a layer with parameters got none."""
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
         from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
@@ -342,7 +347,6 @@ class LoraSyncWorkerExtension(WorkerWrap):
         )
         helper.validate_legal(worker_manager.lora_config)
         model = manager.model
-        mapper = getattr(model, "hf_to_vllm_mapper", None)
         lora = LoRAModel.from_lora_tensors(
             lora_id,
             tensors,
@@ -350,7 +354,7 @@ class LoraSyncWorkerExtension(WorkerWrap):
             device="cpu",
             dtype=worker_manager.lora_config.lora_dtype,
             model_vocab_size=worker_manager.vocab_size,
-            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            weights_mapper=lora_weights_mapper(getattr(model, "hf_to_vllm_mapper", None)),
             skip_prefixes=getattr(model, "lora_skip_prefixes", None),
         )
         wrapped = set(manager.modules) | {name for names in manager.packed_modules.values() for name in names}
