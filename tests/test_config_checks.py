@@ -124,6 +124,14 @@ CASES = [
         ("vision tower", "sync.mode: merge"),
     ),
     Case(
+        # learn-cpu's own targets in adapter mode: the engine refused them at the first sync, inside Ray
+        "adapter mode with LoRA on lm_head",
+        via_preflight_lora,
+        {"ds.lora.rank": 8, "sync.mode": "adapter", "ds.lora.target_modules": "[lm_head]"},
+        {"ds.lora.rank": 8, "sync.mode": "merge", "ds.lora.target_modules": "[lm_head]"},
+        ("output head", "leave lm_head out of target_modules", "sync.mode: merge"),
+    ),
+    Case(
         "non-LoRA run with the patch's LoRA options",
         via_render,
         {"ds.lora.rank": 0},

@@ -134,6 +134,13 @@ def check_adapter_mode_supported(model: nn.Module) -> None:
             "language model only; target the language model's linear layers alone (recipes/base.yaml's LoRA "
             f"section shows how per family){fix}"
         )
+    head = [unit.module_name for unit in sync_units(model) if unit.has_lora and unit.leaf == "lm_head"]
+    if head:
+        raise UnsupportedAdapterError(
+            f"LoRA on the output head ({head[0]}): vLLM's LoRA layers do not wrap lm_head in these models, "
+            "and the engine would refuse the adapter at the first sync; leave lm_head out of "
+            f"target_modules{fix}"
+        )
     max_lora_rank_for(config.r)
 
 
