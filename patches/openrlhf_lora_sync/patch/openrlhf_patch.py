@@ -256,13 +256,15 @@ def _shared(value, distributed: bool):
     return shared[0]
 
 
-def _probe_tokens(trainer, engines, rank: int, distributed: bool) -> list[int]:
+def _probe_tokens(trainer, engines, rank: int, distributed: bool, lora_request=None) -> list[int]:
+    """probe.probe_token_ids from rank 0's engines (woken for it), on every rank. `lora_request`: in-process
+    engines only (OpenRLHF's engine actors attach their installed adapter themselves)."""
     from openrlhf_lora_sync.sync import probe
 
     if rank != 0:
         return _shared(None, distributed)
     _wake_for_probe(trainer, engines)
-    return _shared(probe.probe_token_ids(engines, trainer.actor.model.module), distributed)
+    return _shared(probe.probe_token_ids(engines, trainer.actor.model.module, lora_request), distributed)
 
 
 def _policy_logprobs(model, token_ids, rank: int, base: bool = False):
@@ -315,13 +317,14 @@ def _probe_after_sync(trainer, engines, stats, rank: int, distributed: bool) -> 
     model = trainer.actor.model.module
     start = time.perf_counter()
     floor = getattr(trainer, "_lora_sync_probe_floor", None)
-    token_ids = floor.token_ids if floor else _probe_tokens(trainer, engines, rank, distributed)
+    state = getattr(trainer, "_lora_sync_state", None)
+    lora_request = state.lora_request() if isinstance(state, AdapterSyncState) else None
+    token_ids = _probe_tokens(trainer, engines, rank, distributed, lora_request)
     policy = _policy_logprobs(model, token_ids, rank)
+    # The floor's own tokens too (probe.with_floor_tokens); `floor` is the same on every rank.
+    policy_on_floor_tokens = _policy_logprobs(model, floor.token_ids, rank) if floor else None
     outcome = None
     if rank == 0:
-        _wake_for_probe(trainer, engines)
-        state = getattr(trainer, "_lora_sync_state", None)
-        lora_request = state.lora_request() if isinstance(state, AdapterSyncState) else None
         engine = probe.engine_prompt_logprobs(engines, token_ids, lora_request)
         try:
             if floor is None:
@@ -329,7 +332,12 @@ def _probe_after_sync(trainer, engines, stats, rank: int, distributed: bool) -> 
                 floor = probe.fixed_floor(token_ids, ENGINE_DTYPE, threshold)
                 if threshold is None:
                     floor = probe.first_sync_floor(probe.judge(policy, engine, floor, ENGINE_DTYPE, 0.0))
-            outcome = probe.judge(policy, engine, floor, ENGINE_DTYPE, time.perf_counter() - start), floor
+            result = probe.judge(policy, engine, floor, ENGINE_DTYPE, time.perf_counter() - start)
+            if policy_on_floor_tokens is not None:
+                on_floor = probe.engine_prompt_logprobs(engines, floor.token_ids, lora_request)
+                on_floor_tokens = probe.judge(policy_on_floor_tokens, on_floor, floor, ENGINE_DTYPE, 0.0)
+                result = probe.with_floor_tokens(result, on_floor_tokens)
+            outcome = result, floor
         except probe.ProbeFailed as failed:
             outcome = str(failed), None
     result, floor = _shared(outcome, distributed)

@@ -1,7 +1,8 @@
 """The post-sync probe: does the engine now compute the policy the trainer just synced?
 
 Covers: the probe's tokens (a fixed prefix of byte-range ids and the engine's greedy continuation of it,
-so most scored tokens are ones the model finds likely, where bf16 rounding of the logits matters least);
+generated anew at each probe, so the scored tokens are ones the current model finds likely, where bf16
+rounding of the logits matters least, however far training has moved the policy from the base);
 the noise floor (the same comparison with no sync involved: the engine as loaded from the checkpoint
 against the policy with its adapters switched off, which is the base model), measured once per run; the
 engine's and the policy's prompt logprobs on the probe, their max and mean absolute difference, and the
@@ -28,6 +29,7 @@ Does not cover: when to probe (openrlhf_patch.py: every sync.probe_every syncs).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,6 +85,7 @@ class ProbeResult:
     ratio: float  # the reading over the floor (judge's rule); the max over the threshold when fixed
     verdict: str  # one of VERDICTS
     seconds: float
+    floor_tokens_ratio: float | None = None  # the same engines on the floor's own tokens (with_floor_tokens)
 
     @property
     def ok(self) -> bool:
@@ -98,6 +101,7 @@ class ProbeResult:
             "probe_ratio": self.ratio,
             "probe_verdict": float(VERDICTS.index(self.verdict)),
             "probe_seconds": self.seconds,
+            **({"probe_ratio_floor_tokens": self.floor_tokens_ratio} if self.floor_tokens_ratio else {}),
         }
 
     def summary(self) -> str:
@@ -105,6 +109,7 @@ class ProbeResult:
             f"max {self.max_abs_diff:.3g} (mean {self.mean_abs_diff:.3g}; per engine "
             f"{', '.join(f'{d:.3g}' for d in self.per_engine_max)}), {self.ratio:.2g}x the "
             f"{self.floor.describe()}"
+            + (f", {self.floor_tokens_ratio:.2g}x on the floor's tokens" if self.floor_tokens_ratio else "")
         )
 
 
@@ -255,6 +260,15 @@ def judge(
     return ProbeResult(high, mean, [d.max().item() for d in diffs], floor, ratio, verdict, seconds)
 
 
+def with_floor_tokens(fresh: ProbeResult, on_floor_tokens: ProbeResult) -> ProbeResult:
+    """The reading on fresh tokens, failed also when the same engines fail on the floor's own tokens: an
+    engine broken so that its greedy continuation is scored alike by any model cannot choose its way past
+    the probe. Only the fresh tokens warn: the floor's tokens grow less likely as training moves the policy
+    from the base, and their noise with them."""
+    verdict = "fail" if on_floor_tokens.verdict == "fail" else fresh.verdict
+    return dataclasses.replace(fresh, verdict=verdict, floor_tokens_ratio=on_floor_tokens.ratio)
+
+
 def calibrate(model, engines, dtype: str, lora_request=None) -> ProbeFloor:
     """Single-process form (rank 0 holds the whole policy), before the first sync: the probe's tokens and
     the floor of these engines, which must still hold the checkpoint."""
@@ -264,11 +278,20 @@ def calibrate(model, engines, dtype: str, lora_request=None) -> ProbeFloor:
 
 
 def run_probe(model, engines, dtype: str, floor: ProbeFloor, lora_request=None) -> ProbeResult:
-    """Single-process form: policy and engines on the floor's tokens, judged against it."""
+    """Single-process form: policy and engines on fresh probe tokens, judged against the floor."""
     start = time.perf_counter()
-    policy = policy_prompt_logprobs(model, floor.token_ids)
-    engine = engine_prompt_logprobs(engines, floor.token_ids, lora_request)
-    return judge(policy, engine, floor, dtype, time.perf_counter() - start)
+    token_ids = probe_token_ids(engines, model, lora_request)
+    policy = policy_prompt_logprobs(model, token_ids)
+    engine = engine_prompt_logprobs(engines, token_ids, lora_request)
+    on_floor_tokens = judge(
+        policy_prompt_logprobs(model, floor.token_ids),
+        engine_prompt_logprobs(engines, floor.token_ids, lora_request),
+        floor,
+        dtype,
+        0.0,
+    )
+    fresh = judge(policy, engine, floor, dtype, time.perf_counter() - start)
+    return with_floor_tokens(fresh, on_floor_tokens)
 
 
 def failure_message(result: ProbeResult, sync_description: str) -> str:
