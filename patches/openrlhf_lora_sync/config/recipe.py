@@ -6,8 +6,8 @@ train_ppo_ray flags, this repo's environment variables, and OpenRLHF's own parse
 
 Every entry point goes through it: scripts/render_recipe.py (and run_grpo_lora.sh, --dry-run), preflight,
 memory_budget (--recipe), the CPU runs (smoke_cpu) and the launcher (run_from_argv), so the same bad input
-gets the same message everywhere. Hardware: none; imports no torch, vLLM, Ray or DeepSpeed; well under a
-second.
+gets the same message everywhere. Hardware: none; imports no vLLM, Ray or DeepSpeed, and torch only to
+expand a LoRA target rule (lora_targets.py, on the model built weightless).
 
 Covers
 - Loading: a recipe is a YAML mapping with nested or dotted keys; `base: other.yaml` (or a list, paths
@@ -23,7 +23,8 @@ Covers
 - Mapping: true/false -> a store_true flag present/absent (turning off a flag whose default is on uses its
   store_false twin, e.g. actor.muon.no_nesterov); a list -> the flag's values (nargs); null -> left out,
   so OpenRLHF's default applies (a recipe unsets a base key with null). Repo settings -> environment
-  variables.
+  variables. ds.lora.target_modules: a rule (lora_targets.RULES) -> the module names it stands for on
+  actor.model_name_or_path, noted in Run.notes; module names as given.
 - Then train_ppo_ray's own `__main__` code on the flags (its parser, its hierarchize and its post-parse
   checks), up to the `train(args)` call, which is not made; LAUNCH_CHECKS, the GPU-layout asserts at the
   top of upstream `train()` and DeepSpeed's batch-size rule; and config_checks.run_problems (DoRA, LoRA
