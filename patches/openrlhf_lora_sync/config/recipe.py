@@ -405,6 +405,8 @@ def _lora_targets(values: list, flags: dict, notes: list[str]) -> list:
         )
     if rules:
         model = flags.get("actor.model_name_or_path")
+        if isinstance(model, str) and not model.strip():
+            return values  # the model's own key reports the empty value
         if model is None:
             raise RecipeError(
                 f"{lora_targets.KEY}: no model to expand the rule {rules[0]} on: set "
