@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""`python scripts/memory_budget.py ARGS` = `python -m openrlhf_lora_sync.config.memory_budget ARGS`
+"""`python scripts/memory_budget.py ARGS` = `python -m openrlhf_lora_sync.config.memory_report ARGS`
 (documented in that module)."""
 
 import runpy
 
-runpy.run_module("openrlhf_lora_sync.config.memory_budget", run_name="__main__", alter_sys=True)
+runpy.run_module("openrlhf_lora_sync.config.memory_report", run_name="__main__", alter_sys=True)

@@ -4,7 +4,8 @@ Covers: the default CPU job (recipes/learn-cpu.yaml with its control, tools/cpu_
 --exec -> openrlhf_lora_sync.patch.launch -> train_ppo_ray's Ray actors) learning: the synced reward rises
 and ends clearly above the stale-engine control, the rollout parity (engine vs trainer log-probs of the
 sampled tokens) is near zero when synced and grows on the stale engine; the CPU stand-ins line, full then
-delta syncs, skipped syncs in the control, the adapter saved, summary.json / reward.png / the metrics file; a
+delta syncs, skipped syncs in the control, the adapter saved, summary.json / reward.png / the metrics file,
+which holds every key scripts/wandb_workspace.py's panels plot (but the math reward's: not this run's); a
 CPU recipe on a Qwen2.5-VL checkpoint built elsewhere (transformers' save_pretrained with its processor
 files), used as given; a missing model path refused in one line; the recipe's own tiny path built.
 Does not cover: GPUs; faults in the real loop (test_real_trainer_faults.py); two Ray nodes
@@ -23,7 +24,9 @@ from pathlib import Path
 import pytest
 from openrlhf_lora_sync import QUIET_WARNINGS
 from openrlhf_lora_sync.patch import launch
-from openrlhf_lora_sync.tools import cpu_run
+from openrlhf_lora_sync.tools import cpu_run, wandb_workspace
+
+from rewards.math_answer import reward_func
 
 ROOT = Path(__file__).resolve().parents[1]
 # test_user_inputs.py's checkpoint builders (transformers' classes, published config fields only), by path:
@@ -114,6 +117,27 @@ def test_the_main_job_is_openrlhfs_trainer_and_learns_above_its_control(learn_ru
         assert any(key in row for row in rows), key
     rewards = [row["train/rollout/reward_mean"] for row in rows]
     assert rewards == pytest.approx([row[cpu_run.REWARD_KEY] for row in summary["history"]])
+
+
+def panel_keys_nothing_logs(logged: set[str]) -> set[str]:
+    """The keys scripts/wandb_workspace.py's panels plot that are not in `logged` (wandb names: OpenRLHF
+    logs its training status, the sync's and parity's numbers among it, under train/) nor among the math
+    reward's extra_logs, which the GPU recipes log (the CPU run's reward is another)."""
+    reward_keys = {f"train/{key}" for key in reward_func(["q"], ["p"], ["1"])["extra_logs"]}
+    workspace = wandb_workspace.build_workspace("entity", "project", "GRPO LoRA")
+    plotted = {key for section in workspace.sections for panel in section.panels for key in panel.y}
+    return plotted - logged - reward_keys
+
+
+@pytest.mark.slow
+def test_the_wandb_workspace_plots_keys_the_real_run_logs(learn_run):
+    done, out = learn_run
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    rows = [json.loads(line) for line in (out / cpu_run.METRICS_FILE).read_text().splitlines()]
+    logged = {f"train/{key}" for row in rows for key in row}
+    assert not panel_keys_nothing_logs(logged), sorted(panel_keys_nothing_logs(logged))
+    # Negative control: OpenRLHF renaming a metric the panels plot is caught.
+    assert panel_keys_nothing_logs(logged - {"train/policy_loss"}) == {"train/policy_loss"}
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ Does not cover: what each tool does with a good run (their own tests).
 from __future__ import annotations
 
 import pytest
-from openrlhf_lora_sync.config import memory_budget, preflight
+from openrlhf_lora_sync.config import memory_report, preflight
 from openrlhf_lora_sync.config import recipe as rr
 from openrlhf_lora_sync.patch import launch
 from openrlhf_lora_sync.tools import cpu_run, render_recipe, smoke_cpu
@@ -70,7 +70,7 @@ def through_every_entry_point(
     results["render_recipe"] = (code, messages(capsys, "render_recipe: "))
     for name, main in (
         ("preflight", preflight.main),
-        ("memory_budget", memory_budget.main),
+        ("memory_budget", memory_report.main),
         ("smoke_cpu", smoke_cpu.main),
     ):
         code = main(["--recipe", recipe, *sets])
@@ -133,7 +133,7 @@ def test_the_same_bad_input_gets_the_same_message_everywhere(
     assert render_recipe.main([RECIPE, *fixed, "--dry-run"]) == 0
     sets = [token for override in fixed for token in ("--set", override)]
     fits = case != "adapter rank vLLM refuses"  # rank 512 LoRA layers in vLLM: the rollout does not fit
-    assert memory_budget.main(["--recipe", RECIPE, *sets]) == (0 if fits else 1)
+    assert memory_report.main(["--recipe", RECIPE, *sets]) == (0 if fits else 1)
     assert preflight.load_plan_run(RECIPE, fixed) is not None
     err = capsys.readouterr().err.splitlines()
     assert not [line for line in err if line.startswith(("render_recipe: ", "memory_budget: "))], err
@@ -152,13 +152,13 @@ def test_null_never_crashes_an_entry_point(overrides, fits, capsys, monkeypatch,
     monkeypatch.setenv("HOME", "/nonexistent")
     assert render_recipe.main([RECIPE, *overrides, "--dry-run"]) == 0  # null: OpenRLHF's default applies
     sets = [token for override in overrides for token in ("--set", override)]
-    assert memory_budget.main(["--recipe", RECIPE, *sets]) == (0 if fits else 1)  # judged, never refused
+    assert memory_report.main(["--recipe", RECIPE, *sets]) == (0 if fits else 1)  # judged, never refused
     plan = preflight.Plan(preflight.load_plan_run(RECIPE, overrides), output_dir=tmp_path, stack="cpu")
     assert {result.name for result in preflight.run_checks(plan)} >= {"memory", "disk", "lora_config"}
 
 
 def test_base_recipe_and_bare_names_load_everywhere(capsys):
-    assert memory_budget.main(["--recipe", "base", "--model", "Qwen/Qwen2.5-VL-7B-Instruct"]) == 1
+    assert memory_report.main(["--recipe", "base", "--model", "Qwen/Qwen2.5-VL-7B-Instruct"]) == 1
     assert "Traceback" not in capsys.readouterr().err
     assert preflight.load_plan_run("base", [], model="Qwen/Qwen2.5-VL-7B-Instruct") is not None
 

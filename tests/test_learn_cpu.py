@@ -1,8 +1,10 @@
 """The CPU learning run (recipes/learn-cpu.yaml through scripts/smoke_cpu.py --control) and its reward.
 
 Covers: rewards/ascii_fraction.py, loaded by OpenRLHF's own executor, on every row of its docstring's
-table; the learning run as the recipe has it (16 steps): the synced run's mean reward over its last 5
-steps beats its first 5 by LEARNING_MARGIN while the control's (same seeds and data, engine never synced
+table; the learning run as the recipe has it (STEPS, from its keys: this driver cycles the data rows up
+to data.max_samples, 16 steps; OpenRLHF's trainer takes the 6 rows once an episode, 12 steps,
+tests/test_cpu_run.py): the synced run's mean reward over its last 5 steps beats its first 5 by
+LEARNING_MARGIN while the control's (same seeds and data, engine never synced
 after step 0) does not; both runs start from the same samples; the control's engine really is stale and
 the synced one is not; summary.json, the offline wandb run and reward.png hold both curves. This is the
 in-process driver (a fast test helper); the main job, OpenRLHF's real trainer, is tests/test_cpu_run.py.
@@ -19,13 +21,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from openrlhf_lora_sync.config.recipe import load_recipe
 from openrlhf_lora_sync.tools import smoke_cpu
 
 from rewards import REWARDS, ascii_fraction, reward_file
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "learn-cpu.yaml"
-STEPS = 16  # the recipe's 4 episodes of 8 samples / 2 prompts a step (the driver cycles the 6 rows)
+FLAGS = load_recipe(RECIPE)
+# The driver's steps: each of train.num_episodes cycles the data rows up to data.max_samples,
+# rollout.batch_size prompts a step.
+STEPS = math.ceil(FLAGS["data.max_samples"] / FLAGS["rollout.batch_size"]) * FLAGS["train.num_episodes"]
 # First-5 to last-5 means, seeds 0-3 (scripts/smoke_cpu.py): the synced run +0.28 to +0.42 (from about 40%
 # ASCII to all of it; the rise starts within the first 5 steps), the control -0.02 to +0.01 (sampling noise
 # around its initial rate).
@@ -157,6 +163,6 @@ def test_wandb_and_the_plot_hold_both_curves(learn_run):
 def test_the_recipe_runs_the_full_learning_run(tmp_path):
     smoke = smoke_cpu.smoke_run(smoke_cpu.parse_args(["--recipe", str(RECIPE), "--control"]))
     assert smoke.control and smoke.reward_file == reward_file("ascii_fraction")
-    prompts_per_step = smoke.args.rollout.batch_size
-    assert smoke.steps == STEPS == math.ceil(8 / prompts_per_step) * 4 >= 2 * smoke_cpu.REWARD_WINDOW
+    assert smoke.steps == STEPS >= 2 * smoke_cpu.REWARD_WINDOW
+    assert smoke.args.rollout.batch_size == FLAGS["rollout.batch_size"]
     assert smoke.args.ds.lora.target_modules == ["lm_head"]

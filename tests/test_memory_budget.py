@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from openrlhf_lora_sync.config import memory_budget as mb
+from openrlhf_lora_sync.config import memory_report as report
 from openrlhf_lora_sync.config import model_inventory as mi
 from openrlhf_lora_sync.config import recipe
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
@@ -148,10 +149,10 @@ LORA_CASES = [
     ("qwen2_5_vl flat (hub layout), tied", ["q_proj", "v_proj"]),
     ("qwen2_5_vl nested", ["gate_proj"]),  # also the vision tower's gated MLP
     ("qwen2_5_vl nested", "all-linear"),
-    ("qwen3_vl deepstack", mb.LANGUAGE_ONLY_LORA),
+    ("qwen3_vl deepstack", report.LANGUAGE_ONLY_LORA),
     ("qwen3_vl deepstack", ["linear_fc1"]),  # vision MLPs and every merger
     ("qwen3 text only, tied", "all-linear"),
-    ("Qwen/Qwen3.5-27B", mb.LANGUAGE_ONLY_LORA),
+    ("Qwen/Qwen3.5-27B", report.LANGUAGE_ONLY_LORA),
 ]
 
 
@@ -178,7 +179,7 @@ def test_lora_parameter_counts_equal_peft(case, targets):
 
 def test_language_only_lora_leaves_the_vision_tower_alone():
     spec = mi.model_spec(mi.REFERENCE_CONFIGS["Qwen/Qwen3.5-27B"])
-    parts = {module.part for module in mi.lora_modules(spec, 64, mb.LANGUAGE_ONLY_LORA)}
+    parts = {module.part for module in mi.lora_modules(spec, 64, report.LANGUAGE_ONLY_LORA)}
     assert parts == {"layers"}
     assert {module.part for module in mi.lora_modules(spec, 64, "all-linear")} == {
         "vision",
@@ -192,7 +193,7 @@ def spec_27b():
     return mi.model_spec(mi.REFERENCE_CONFIGS["Qwen/Qwen3.5-27B"])
 
 
-LEAN_AT_08 = replace(mb.LEAN, gpu_memory_utilization=0.8)
+LEAN_AT_08 = replace(report.LEAN, gpu_memory_utilization=0.8)
 
 
 def part(budget, phase, name):
@@ -374,10 +375,10 @@ def run_of(flags: dict, *overrides: str):
 
 
 def test_the_users_flags_map_to_the_users_setting():
-    upstream = run_of(mb.USER_27B_FLAGS, "sync.reference_from_base=false")
-    assert mb.shape_from_run(upstream) == mb.USER_27B
+    upstream = run_of(report.USER_27B_FLAGS, "sync.reference_from_base=false")
+    assert mb.shape_from_run(upstream) == report.USER_27B
     # Through this repo's patch (its default): the KL reference is the policy with its adapters disabled.
-    assert mb.shape_from_run(run_of(mb.USER_27B_FLAGS)) == replace(mb.USER_27B, reference="base")
+    assert mb.shape_from_run(run_of(report.USER_27B_FLAGS)) == replace(report.USER_27B, reference="base")
 
 
 COLOCATED = {"train.colocate_all": True, "ref.num_gpus_per_node": 8}
@@ -415,19 +416,19 @@ def test_settings_from_the_recipe_path(flags, expected):
 
 
 def test_the_users_27b_does_not_fit_at_sync_and_param_offload_makes_it_fit(spec_27b):
-    as_given = mb.estimate(spec_27b, mb.USER_27B)
+    as_given = mb.estimate(spec_27b, report.USER_27B)
     assert not as_given.fits("sync")
     lean = mb.estimate(spec_27b, replace(LEAN_AT_08, gpu_memory_utilization=0.3))
     # Even without the reference and with a small vLLM budget, both bf16 copies exceed a 24 GiB card.
     assert lean.phase("sync").total > lean.usable
     assert 2 * 2 * spec_27b.total_parameters / 4 > 24 * GIB
-    changes, fitting = mb.find_fitting(spec_27b, mb.USER_27B)
+    changes, fitting = mb.find_fitting(spec_27b, report.USER_27B)
     assert any("parameter offload" in change for change in changes)
     assert mb.estimate(spec_27b, fitting).fits()
 
 
 def test_the_table_answers_which_qwen35_fits_comfortably():
-    budgets = {b.model.rsplit(", util", 1)[0]: b for b in mb.table_rows()}
+    budgets = {b.model.rsplit(", util", 1)[0]: b for b in report.table_rows()}
     nine = budgets["9B, TP4"]  # the layout of recipes/qwen3_5-9b-4x4090.yaml
     assert nine.fits() and nine.kv_sequences > 64
     # Comfortably: training and the full sync leave at least 5 GiB of the 24.
@@ -455,19 +456,19 @@ def test_host_alternatives_need_less_host_ram(spec_27b):
 
 
 def test_cli_table_and_model_dir(tmp_path, capsys):
-    assert mb.main(["--table"]) == 0
+    assert report.main(["--table"]) == 0
     table = capsys.readouterr().out
     rows = [line for line in table.splitlines() if line.startswith("| ")]
-    assert len(rows) == len(mb.TABLE_ROWS) + 1  # the header and one row per setting
+    assert len(rows) == len(report.TABLE_ROWS) + 1  # the header and one row per setting
     (tmp_path / "config.json").write_text(json.dumps(CONFIG_CASES["qwen3_5 default interval"]))
     flags = ["actor.num_gpus_per_node=1", "ds.lora.rank=8", "vllm.gpu_memory_utilization=0.9"]
     args = ["--model", str(tmp_path), "--json", *(f"--set={flag}" for flag in flags)]
-    assert mb.main(args) == 0
+    assert report.main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and out["lora_parameters"] > 0
-    assert mb.main(["--model", "Qwen/Qwen3.5-27B", "--set", "actor.num_gpus_per_node=4"]) == 1
+    assert report.main(["--model", "Qwen/Qwen3.5-27B", "--set", "actor.num_gpus_per_node=4"]) == 1
     # a model with no config anywhere: one line naming it, exit 2
-    assert mb.main(["--model", str(tmp_path / "missing")]) == 2
+    assert report.main(["--model", str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err.startswith(f"memory_budget: {tmp_path / 'missing'}: no config.json")
 
 
@@ -500,7 +501,7 @@ def peaks(text: str) -> tuple[str, ...]:
 
 @pytest.mark.parametrize("path", RECIPES_WITH_A_MODEL, ids=lambda p: p.stem)
 def test_cli_recipe_gives_the_numbers_of_its_header(path, capsys):
-    assert mb.main(["--recipe", str(path)]) == 0  # each recipe fits, as its header says
+    assert report.main(["--recipe", str(path)]) == 0  # each recipe fits, as its header says
     header = MEMORY_LINE.search(path.read_text())
     out = capsys.readouterr().out
     assert peaks(out) == header.groups()
@@ -508,11 +509,11 @@ def test_cli_recipe_gives_the_numbers_of_its_header(path, capsys):
     (header_line,) = [line for line in path.read_text().splitlines() if line.startswith(MEMORY_PREFIX)]
     assert out.splitlines()[-1] == "memory: " + header_line.removeprefix(MEMORY_PREFIX)
     assert header_line.endswith("; fits")
-    assert mb.main(["--recipe", path.stem]) == 0  # a bare name in recipes/, as run_grpo_lora.sh takes
+    assert report.main(["--recipe", path.stem]) == 0  # a bare name in recipes/, as run_grpo_lora.sh takes
 
 
 def test_cli_model_alone_is_judged_with_this_repos_base_recipe(capsys):
-    assert mb.main(["--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--json"]) == 1  # base.yaml's layout: no
+    assert report.main(["--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--json"]) == 1  # base.yaml's layout: no
     result = json.loads(capsys.readouterr().out)
     settings = result["settings"]
     assert result["fits"] is False
@@ -522,15 +523,16 @@ def test_cli_model_alone_is_judged_with_this_repos_base_recipe(capsys):
     # Negative control: the settings are read from the run, not fixed: a --set of OpenRLHF's own defaults
     # (ZeRO-2, 8 GPUs a node) shows in them.
     for override in ("--set=ds.zero_stage=2", "--set=actor.num_gpus_per_node=8"):
-        assert mb.main(["--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--json", override]) == 1  # neither fits
+        # neither fits
+        assert report.main(["--model", "Qwen/Qwen2.5-VL-7B-Instruct", "--json", override]) == 1
     zero2, eight = (json.loads(line)["settings"] for line in capsys.readouterr().out.splitlines())
     assert zero2["zero_stage"] == 2 and eight["gpus"] == 8
     # The README's 7B fits with its recipe's layout (2 engines x TP2, util 0.77), given here as overrides.
     layout = ["vllm.num_engines=2", "vllm.tensor_parallel_size=2", "vllm.gpu_memory_utilization=0.77"]
     args = ["--model", "Qwen/Qwen2.5-VL-7B-Instruct", *(f"--set={item}" for item in layout)]
-    assert mb.main(args) == 0
+    assert report.main(args) == 0
     capsys.readouterr()
-    assert mb.main(["--recipe", "recipes/base.yaml", "--model", "Qwen/Qwen2.5-VL-7B-Instruct"]) == 1
+    assert report.main(["--recipe", "recipes/base.yaml", "--model", "Qwen/Qwen2.5-VL-7B-Instruct"]) == 1
     out = capsys.readouterr().out
     assert "Qwen/Qwen2.5-VL-7B-Instruct: 8.29 B parameters" in out
     # The verdict line names each phase over with its numbers, and the cheapest fix the estimator knows.
@@ -554,7 +556,7 @@ def test_cli_model_alone_is_judged_with_this_repos_base_recipe(capsys):
     ],
 )
 def test_cli_bad_input_is_one_line_per_problem_exit_2(args, message, capsys):
-    assert mb.main(["--model", "Qwen/Qwen3.5-9B", *args] if args else args) == 2
+    assert report.main(["--model", "Qwen/Qwen3.5-9B", *args] if args else args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert all(line.startswith("memory_budget: ") for line in err.splitlines())

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 from openrlhf_lora_sync.base import pins
-from openrlhf_lora_sync.config import host_checks, memory_budget, model_inventory, preflight
+from openrlhf_lora_sync.config import host_checks, memory_budget, memory_report, model_inventory, preflight
 from openrlhf_lora_sync.config import recipe as render_recipe
 from PIL import Image
 
@@ -28,7 +28,7 @@ H100 = host_checks.GpuInfo("NVIDIA H100 80GB HBM3", 79.1)
 # The user's flags, plus what OpenRLHF's own checks need to accept them: GRPO groups, a reward, and the
 # KL reference on the actor's 4 GPUs (upstream train() asserts it; its default is 8).
 USER_27B_FLAGS = {
-    **memory_budget.USER_27B_FLAGS,
+    **memory_report.USER_27B_FLAGS,
     "rollout.n_samples_per_prompt": 8,
     "reward.remote_url": "rewards/math_answer.py",
     "ref.num_gpus_per_node": 4,

@@ -121,8 +121,11 @@ def linear_parts(config: dict) -> dict[str, str]:
 def test_lora_targets_every_language_model_linear_and_no_vision_module(recipe):
     flags = rr.load_recipe(recipe)
     linears = linear_parts(model_config(flags))
-    # OpenRLHF hands peft the flag's list; peft's own matcher decides, on the full-size model's names.
-    lora = LoraConfig(target_modules=flags["ds.lora.target_modules"])
+    written = flags["ds.lora.target_modules"]  # a rule (lora_targets.RULES) or a short list, never 84 names
+    assert isinstance(written, str) or len(written) <= 20, written
+    # OpenRLHF hands peft the flag's list (a rule expanded by the renderer); peft's own matcher decides, on
+    # the full-size model's names.
+    lora = LoraConfig(target_modules=rr.dry_run(rendered(flags).argv)[0].ds.lora.target_modules)
     matched = {(part, name) for name, part in linears.items() if check_target_module_exists(lora, name)}
     # The CPU learning run adapts lm_head alone, on purpose (its header says why).
     parts = {"lm_head"} if recipe.stem == "learn-cpu" else {"layers"}

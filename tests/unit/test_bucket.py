@@ -2,12 +2,16 @@
 
 Covers: split_groups keeps order, respects the limit and never splits a group (a fused q/k/v or gate/up
 group split across two reloads corrupts the engine), a group larger than the limit travels alone, no
-groups make no bucket; pack_into/unpack round-trip tensors of mixed dtypes and shapes at aligned offsets.
+groups make no bucket; pack_into/unpack round-trip tensors of mixed dtypes and shapes at aligned offsets,
+with the layout as tuples or serialized lists (how vLLM's RPC carries it), never as dicts.
 Does not cover: which groups a sync builds (tests/unit/test_plan.py, tests/test_sync.py) or transport.
 """
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 from openrlhf_lora_sync.sync.bucket import ALIGNMENT, layout, pack_into, split_groups, unpack
 
@@ -68,3 +72,8 @@ def test_pack_and_unpack_round_trip_mixed_dtypes_at_aligned_offsets():
     pack_into(buffer, named, metas)
     for (name, want), (got_name, got) in zip(named, unpack(buffer, [tuple(m) for m in metas]), strict=True):
         assert got_name == name and got.dtype == want.dtype and torch.equal(got, want)
+    # vLLM's RPC carries a TensorMeta as a plain sequence (lists once serialized): unpack rebuilds it.
+    for (name, want), (_, got) in zip(named, unpack(buffer, json.loads(json.dumps(metas))), strict=True):
+        assert torch.equal(got, want), name
+    with pytest.raises(TypeError):  # what the RPC makes of a dataclass, a dict, is no layout
+        unpack(buffer, [meta._asdict() for meta in metas])

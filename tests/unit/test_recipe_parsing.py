@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 from openrlhf_lora_sync.base import settings
-from openrlhf_lora_sync.config import memory_budget
+from openrlhf_lora_sync.config import lora_targets, memory_budget
 from openrlhf_lora_sync.config import recipe as rr
 from openrlhf_lora_sync.tools import render_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "recipes" / "base.yaml"
 NO_WANDB_KEY = {"HOME": "/nonexistent"}
+MODEL = "Qwen/Qwen3-VL-8B-Instruct"  # a hub id with a reference config: the LoRA target rule expands on it
 
 
 def rendered(flags: dict, environ=None) -> rr.Rendered:
@@ -45,7 +46,7 @@ def error_for(flags: dict) -> rr.RecipeError:
 
 
 def test_unknown_key_fails_naming_it_with_close_matches(tmp_path):
-    path = write_recipe(tmp_path, {"actor.model_name_or_path": "m", "vllm.tensor_paralel_size": 2})
+    path = write_recipe(tmp_path, {"actor.model_name_or_path": MODEL, "vllm.tensor_paralel_size": 2})
     with pytest.raises(rr.RecipeError) as caught:
         rendered(rr.load_recipe(path))
     message = str(caught.value)
@@ -181,7 +182,8 @@ def test_lists_become_the_flags_values():
     assert argv[i + 1 : i + 3] == ["0.2", "0.28"]
     args, _ = rr.dry_run(argv)
     assert list(args.actor.eps_clip_low_high) == [0.2, 0.28]
-    assert args.ds.lora.target_modules == rr.load_recipe(BASE)["ds.lora.target_modules"]
+    rule = rr.load_recipe(BASE)["ds.lora.target_modules"]  # expanded on the recipe's model
+    assert args.ds.lora.target_modules == lora_targets.expand(rule, MODEL)[0]
 
 
 def test_repo_keys_become_environment_variables_and_never_flags():

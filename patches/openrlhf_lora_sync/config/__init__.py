@@ -2,8 +2,9 @@
 
 - recipe: the one recipe path, a recipe or a launcher's argv -> a checked Run (OpenRLHF's own parser).
 - config_checks: what this patch refuses before any GPU work, each problem with its fix.
-- memory_budget: per-GPU and host memory of a run; model_inventory: the model's modules and LoRA
-  parameters, built on the meta device.
+- memory_budget: per-GPU and host memory of a run; memory_report: its command line, what-if table and
+  breakdown; model_inventory: the model's modules and LoRA parameters, built on the meta device;
+  lora_targets: LoRA target rules (language-linears, ...) expanded on the model.
 - preflight: the machine and the run checked, one line per check; host_checks: its checks of the machine.
 - weights_check, adapter_check: weight files and peft adapters that cannot load, named before loading.
 

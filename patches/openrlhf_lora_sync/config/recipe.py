@@ -6,8 +6,8 @@ train_ppo_ray flags, this repo's environment variables, and OpenRLHF's own parse
 
 Every entry point goes through it: scripts/render_recipe.py (and run_grpo_lora.sh, --dry-run), preflight,
 memory_budget (--recipe), the CPU runs (smoke_cpu) and the launcher (run_from_argv), so the same bad input
-gets the same message everywhere. Hardware: none; imports no torch, vLLM, Ray or DeepSpeed; well under a
-second.
+gets the same message everywhere. Hardware: none; imports no vLLM, Ray or DeepSpeed, and torch only to
+expand a LoRA target rule (lora_targets.py, on the model built weightless).
 
 Covers
 - Loading: a recipe is a YAML mapping with nested or dotted keys; `base: other.yaml` (or a list, paths
@@ -23,7 +23,8 @@ Covers
 - Mapping: true/false -> a store_true flag present/absent (turning off a flag whose default is on uses its
   store_false twin, e.g. actor.muon.no_nesterov); a list -> the flag's values (nargs); null -> left out,
   so OpenRLHF's default applies (a recipe unsets a base key with null). Repo settings -> environment
-  variables.
+  variables. ds.lora.target_modules: a rule (lora_targets.RULES) -> the module names it stands for on
+  actor.model_name_or_path, noted in Run.notes; module names as given.
 - Then train_ppo_ray's own `__main__` code on the flags (its parser, its hierarchize and its post-parse
   checks), up to the `train(args)` call, which is not made; LAUNCH_CHECKS, the GPU-layout asserts at the
   top of upstream `train()` and DeepSpeed's batch-size rule; and config_checks.run_problems (DoRA, LoRA
@@ -66,7 +67,7 @@ import yaml
 
 from openrlhf_lora_sync import REPO_ROOT
 from openrlhf_lora_sync.base import settings
-from openrlhf_lora_sync.config import config_checks
+from openrlhf_lora_sync.config import config_checks, lora_targets
 
 RECIPES_DIR = REPO_ROOT / "recipes"
 LAUNCH_MODULE = "openrlhf_lora_sync.patch.launch"
@@ -393,16 +394,42 @@ def _switch(key: str, value, action: argparse.Action, parser: argparse.ArgumentP
     return [twin.option_strings[0]]
 
 
-def _lora_target_problem(values: list) -> str | None:
+def _lora_targets(values: list, flags: dict, notes: list[str]) -> list:
+    """ds.lora.target_modules as OpenRLHF passes it to peft: a rule (lora_targets.RULES) expanded on the
+    recipe's model, else the module names as given; RecipeError for what would match nothing."""
+    rules = [value for value in values if lora_targets.is_rule(value)]
+    if rules and len(values) > 1:
+        raise RecipeError(
+            f"{lora_targets.KEY}: a rule ({rules[0]}) stands alone; give one rule or a list of module names",
+            (lora_targets.KEY,),
+        )
+    if rules:
+        model = flags.get("actor.model_name_or_path")
+        if isinstance(model, str) and not model.strip():
+            return values  # the model's own key reports the empty value
+        if model is None:
+            raise RecipeError(
+                f"{lora_targets.KEY}: no model to expand the rule {rules[0]} on: set "
+                "actor.model_name_or_path (--model of memory_budget.py and preflight.py)",
+                (lora_targets.KEY,),
+            )
+        try:
+            expanded, note = lora_targets.expand(rules[0], model)
+        except lora_targets.TargetRuleError as error:
+            raise RecipeError(str(error), (lora_targets.KEY,)) from None
+        notes.append(f"{lora_targets.KEY} {note}")
+        return expanded
     odd = [v for v in values if v == "all-linear" or not MODULE_SUFFIX.fullmatch(str(v))]
-    if not odd:
-        return None
-    return (
-        f"ds.lora.target_modules: {odd} would match nothing: OpenRLHF's --ds.lora.target_modules takes "
-        "a list (nargs='*'), and peft matches list entries as module-name suffixes, never as a regex or as "
-        "'all-linear' (peft raises NoMatchingPeftModuleError when the run starts). List module names "
-        "(q_proj, layers.0.mlp.gate_proj, ...), or set the key to null for OpenRLHF's default 'all-linear'"
-    )
+    if odd:
+        raise RecipeError(
+            f"{lora_targets.KEY}: {odd} would match nothing: OpenRLHF's --{lora_targets.KEY} takes a list "
+            "(nargs='*'), and peft matches list entries as module-name suffixes, never as a regex or as "
+            "'all-linear' (peft raises NoMatchingPeftModuleError when the run starts). Give a rule "
+            f"({', '.join(lora_targets.RULES)}), list module names (q_proj, layers.0.mlp.gate_proj, ...), "
+            "or set the key to null for OpenRLHF's default 'all-linear'",
+            (lora_targets.KEY,),
+        )
+    return values
 
 
 def _known_keys(parser: argparse.ArgumentParser) -> list[str]:
@@ -434,7 +461,7 @@ def render(flags: dict, environ=None) -> Rendered:
     parser, _ = openrlhf_parser()
     # DoRA keys are no OpenRLHF flag: name what they ask for rather than call them unknown.
     problems = config_checks.dora_problems(flags, flags)
-    argv, env = [], {}
+    argv, env, notes = [], {}, []
     errors, bad_keys = [str(problem) for problem in problems], [problem.key for problem in problems]
     for key, value in flags.items():
         if key in bad_keys:
@@ -459,8 +486,8 @@ def render(flags: dict, environ=None) -> Rendered:
                 argv += _switch(key, value, action, parser)
                 continue
             values = _values(key, value, action)
-            if key == "ds.lora.target_modules" and (problem := _lora_target_problem(values)):
-                raise RecipeError(problem, (key,))
+            if key == lora_targets.KEY:
+                values = _lora_targets(values, flags, notes)
             argv += [f"--{key}", *(str(v) for v in values)]
         except RecipeError as error:
             errors.append(str(error))
@@ -468,7 +495,7 @@ def render(flags: dict, environ=None) -> Rendered:
     if errors:
         raise RecipeError("\n".join(errors), tuple(bad_keys))
 
-    rendered = Rendered(argv, env)
+    rendered = Rendered(argv, env, notes)
     mode = env.get("WANDB_MODE")
     if mode == "auto" and environ.get("WANDB_MODE"):
         mode = env["WANDB_MODE"] = environ["WANDB_MODE"]
