@@ -391,10 +391,10 @@ def never_sampled_token_ids(model: str, mm_pad_token_ids) -> list[int]:
         return []
     from transformers import AutoConfig
 
+    from openrlhf_lora_sync.sync.probe import placeholder_token_ids
+
     config = AutoConfig.from_pretrained(model, trust_remote_code=True)
-    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    found = {getattr(config, name, None) for name in names} | set(mm_pad_token_ids)
-    return sorted(token_id for token_id in found if token_id is not None)
+    return sorted({*placeholder_token_ids(config), *mm_pad_token_ids})
 
 
 def rollout_sampling(sampling_params, never_sampled: list[int]) -> None:
