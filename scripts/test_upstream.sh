@@ -23,6 +23,7 @@ UPSTREAM_TESTS=(
   tests/test_adapter_mode.py
   tests/test_verify_sync.py
   tests/test_faults.py
+  tests/test_probe_real_logits.py
   tests/test_config_checks.py
   tests/test_openrlhf_patch.py
   tests/test_cpu_run.py
