@@ -122,8 +122,10 @@ def bench_policy_actor():
             trainer = self.trainer
             handles, counts = trainer.vllm_engines, {"ray_calls": 0, "bytes": 0}
             trainer.vllm_engines = [CountingEngine(handle, counts) for handle in handles]
-            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-            rss_before = _status_kib("VmRSS")
+            # VmHWM := VmRSS, and that is the baseline: the kernel raises the high-water mark lazily, so an
+            # RSS read taken a moment later can exceed every later VmHWM (a negative peak, seen on CI).
+            Path("/proc/self/clear_refs").write_text("5")
+            rss_before = _status_kib("VmHWM")
             start = time.perf_counter()
             try:
                 if path == "upstream":
