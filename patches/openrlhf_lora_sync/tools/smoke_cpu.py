@@ -93,13 +93,13 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
 from openrlhf_lora_sync import REPO_ROOT
 from openrlhf_lora_sync.config import recipe
+from openrlhf_lora_sync.config.reward_check import run_environment
 from openrlhf_lora_sync.testing.smoke_pipeline import (
     ENGINE_DTYPE,
     Pipeline,
@@ -168,22 +168,6 @@ def smoke_run(args: argparse.Namespace) -> SmokeRun:
         dataset=REPO_ROOT / data.prompt_dataset,
         reward_file=REPO_ROOT / reward_files[0],
     )
-
-
-@contextlib.contextmanager
-def recipe_environment(env: dict[str, str]):
-    """The recipe's repo settings (REWARD_*, LORA_SYNC_*, WANDB_MODE) in os.environ, as the launcher hands
-    them to every worker, so the reward reads the recipe's; the environment is restored on exit."""
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def numeric(metrics: dict) -> dict[str, float]:
@@ -417,7 +401,8 @@ def main(argv=None) -> int:
     except recipe.RecipeError as error:
         print("\n".join(f"smoke_cpu: {line}" for line in str(error).splitlines()), file=sys.stderr)
         return 2
-    with recipe_environment(smoke.run.env):
+    # The recipe's repo settings (REWARD_*, LORA_SYNC_*, WANDB_MODE) as the launcher hands them to workers.
+    with run_environment(smoke.run.env):
         return run(smoke, started)
 
 
