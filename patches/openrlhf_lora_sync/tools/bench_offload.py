@@ -5,9 +5,9 @@ step and per sync, as a ratio to the same run without it.
     python scripts/bench_offload.py [--scale bench|tiny] [--steps 5] [--syncs 3] [--length 64]
 
 Hardware: CPU only (DeepSpeed's CPU accelerator, ZeRO-3, world size 1, gloo; the script starts itself as
-that worker process). Expected time at the default `bench` scale (Qwen2.5-VL-shaped, 320M parameters,
-tiny_models.py, LoRA r=64 on every language-model linear, bf16 policy): 1.5-3 minutes on 2 shared cores
-(measured 94 s and 158 s; --scale tiny: 20 s).
+that worker process). The default `bench` scale (Qwen2.5-VL-shaped, 320M parameters, tiny_models.py,
+LoRA r=64 on every language-model linear, bf16 policy) takes a few minutes on 2 cores, --scale tiny well
+under one; its measured times and ratios: docs/memory.md, "What it costs in step time".
 
 What it builds: both policies through OpenRLHF's own code (cpu_deepspeed.prepared_lora_actor: `Actor(...,
 ds_config=strategy.get_ds_train_config())` and `strategy.prepare`), one with LORA_SYNC_OFFLOAD_PARAMS=1
