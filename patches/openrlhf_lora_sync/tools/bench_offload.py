@@ -19,10 +19,11 @@ and one without, in the same process, then alternates them so that load on a sha
   the engine's side does not depend on where the trainer keeps its parameters (scripts/bench_sync.py).
 Prints medians per mode and their ratio (offload / resident), then one JSON line; asserts nothing on time.
 
-What CPU numbers cannot show: on the CPU accelerator the device is the host, so ZeRO-3 fetches an
-offloaded partition without copying it; these ratios are the offload's code path (flat host buffers, the
-optimizer on the host path), not the PCIe transfer a GPU host pays on every forward and backward (each
-rank's bf16 shard, 2P/N bytes, host to device per pass: an estimate there, see scripts/memory_budget.py).
+Does not cover what CPU numbers cannot show: on the CPU accelerator the device is the host, so ZeRO-3
+fetches an offloaded partition without copying it; these ratios are the offload's code path (flat host
+buffers, the optimizer on the host path), not the PCIe transfer a GPU host pays on every forward and
+backward (each rank's bf16 shard, 2P/N bytes, host to device per pass: an estimate there, see
+scripts/memory_budget.py).
 """
 
 from __future__ import annotations
