@@ -16,8 +16,9 @@
 # write ASCII text for 12 steps, after a control run whose engine is not synced after its first sync
 # (a few minutes on 2 cores after setup); `smoke-cpu` is the 2-step check with the math reward and LoRA on
 # every language linear (about a minute). The first run on a machine also compiles DeepSpeed's CPU ops.
-# Measured CPU times: docs/cpu-run.md; GPU times: none yet. A run is (prompts / rollout.batch_size)
-# rollout steps per episode, 65 for geometry3k with the 4x4090 recipes; --dry-run takes about a second.
+# Measured times: docs/cpu-run.md (CPU), README (what has run on GPUs). A run is
+# (prompts / rollout.batch_size) rollout steps per episode, 65 for geometry3k with the 4x4090 recipes;
+# --dry-run takes about a second.
 #
 # What it does, in order:
 #  1. First use only (no .venv/): `bash scripts/setup_env.sh` builds the pinned stack into .venv/ (minutes;
