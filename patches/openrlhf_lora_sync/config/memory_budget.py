@@ -3,8 +3,7 @@
 The estimate and the search for a setting that fits; the command line (scripts/memory_budget.py), the
 what-if table and the printed breakdown are memory_report.py's.
 Hardware: none. Runs in the repo's .venv: torch, transformers and peft are imported when a model is
-first built (model_inventory.py: a weightless copy on the meta device; Qwen3.5-27B with peft about 1.5 s,
-cached per config).
+first built (model_inventory.py: a weightless copy on the meta device, cached per config).
 
 Covers
 - The model as model_inventory.py counts it (built from its config on the meta device, no weights): its

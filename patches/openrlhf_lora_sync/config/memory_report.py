@@ -8,6 +8,7 @@
 Without --recipe the run is recipes/base.yaml (this repo's defaults: 4 GPUs, ZeRO-3, colocated vLLM,
 LoRA r=64); --model M is the override actor.model_name_or_path=M and each --set key=value another one,
 so bad keys and values get the recipe path's messages (recipe.load_run), exit 2; exit 1: does not fit.
+Does not cover: the formulas (memory_budget.py) or memory measured on a GPU (docs/memory.md).
 Hardware: none.
 """
 

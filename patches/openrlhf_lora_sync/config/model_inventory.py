@@ -5,7 +5,7 @@
     spec.total_parameters, spec.parameters_by_part(), lora_parameters(spec, 64, "all-linear")
 
 Hardware: none. Runs in the repo's .venv: torch, transformers and peft are imported when a model is
-first built (a weightless copy on the meta device; Qwen3.5-27B with peft about 1.5 s, cached per config).
+first built (a weightless copy on the meta device, cached per config; its time: docs/memory.md).
 
 Covers
 - The module inventory of the model OpenRLHF's Actor loads, built from its config on the meta device by

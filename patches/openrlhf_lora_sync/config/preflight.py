@@ -6,7 +6,7 @@
                                 [--set FLAG=VALUE ...] [--json]
 
 Hardware: any Linux machine; GPU checks report N/A (no recipe) or FAIL (a recipe that needs GPUs) without
-one. Takes a few seconds: two short probe processes, the package check, torch's import where an NVIDIA
+one. What takes time: two short probe processes, the package check, torch's import where an NVIDIA
 driver is present, and `datasets`' import where the run's data is local. Exits 1 when any check FAILs, else
 0. Makes no network calls.
 

@@ -38,9 +38,10 @@ openrlhf), executes the statements of that block that come before `parse_args`, 
 standard-library imports, to build the parser; then the rest of the block with `parse_args` bound to the
 rendered flags and `train` replaced by a function that records the parsed args. Chosen over running the
 whole module under runpy with a patched `ArgumentParser.parse_args`: that imports ray, vLLM, torch and
-DeepSpeed (about 20 s on 2 cores, CUDA probing on a GPU host) and patches argparse process-wide, while
-the parser and checks executed here are still OpenRLHF's own code, line for line. If an OpenRLHF release
-moves the parser out of that block, this fails loudly (RecipeError) instead of checking nothing.
+DeepSpeed (tens of seconds: docs/reliability.md; CUDA probing on a GPU host) and patches argparse
+process-wide, while the parser and checks executed here are still OpenRLHF's own code, line for line.
+If an OpenRLHF release moves the parser out of that block, this fails loudly (RecipeError) instead of
+checking nothing.
 """
 
 from __future__ import annotations

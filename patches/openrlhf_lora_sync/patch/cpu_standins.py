@@ -17,7 +17,7 @@ lists all of it, printed once by the launcher.
 
 Also needed, outside this module: Ray started with GPU resources declared (launch.py: OpenRLHF's placement
 groups ask for GPUs) and `DS_ACCELERATOR=cpu` in every actor (DeepSpeed's CPU accelerator, whose op
-builder compiles its fused Adam once per machine, about 80 s, cached under ~/.cache/torch_extensions).
+builder compiles its fused Adam once per machine, cached under ~/.cache/torch_extensions: docs/cpu-run.md).
 Does not cover: GPUs (nothing here runs there), or making a CPU run fast.
 """
 

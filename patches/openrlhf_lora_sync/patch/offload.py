@@ -25,9 +25,10 @@ parameters, gradients and optimizer states are in host memory already (a critic 
 tests/test_offload.py runs both calls on an offloaded engine.
 
 Refused before any GPU work (config_checks.offload_problems): ZeRO stages other than 3 and a 4-bit base.
-Does not cover: NVMe offload, DeepSpeed checkpoint save/load timings with offload (DeepSpeed gathers as
-usual; not measured), GPU timings (on a GPU host each pass copies the trainer's base shard, 2P/N bytes
-per GPU, host to device; the CPU benchmark scripts/bench_offload.py cannot show that cost).
+Does not cover: NVMe offload, or what offload costs in time: DeepSpeed checkpoint save/load (it gathers
+as usual) and, on a GPU host, the copy of the trainer's base shard (2P/N bytes per GPU) host to device on
+every pass, which the CPU benchmark scripts/bench_offload.py cannot show (what is known and estimated:
+docs/memory.md, "What it costs in step time").
 """
 
 from __future__ import annotations

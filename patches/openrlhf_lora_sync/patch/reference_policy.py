@@ -30,7 +30,7 @@ at a time): after the rollout put vLLM to sleep (--vllm.enable_sleep) and before
 offload.py, both gather from host memory; tests/test_reference_policy.py runs both). Under ZeRO-3 the
 forward gathers each module's parameters as upstream's does; the skipped lora_A/lora_B are not needed
 (DeepSpeed's prefetch trace sees another module order and re-traces, which costs prefetching for that
-step, not correctness; not measured on GPUs).
+step, not correctness: docs/memory.md).
 
 peft's `disable_adapter()` sets requires_grad False on every adapter and, on exit, True on the active
 adapter's; the trainer owns those flags (an adapter it froze must stay frozen), so `adapters_disabled`

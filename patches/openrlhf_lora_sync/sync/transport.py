@@ -60,8 +60,8 @@ class ShmSlots:
     """/dev/shm files that carry bucket after bucket, each reused once the engines have loaded from it.
 
     Why reuse: tmpfs allocates and zeroes a page the first time it is written, so a new file per bucket
-    pays that for every byte sent (0.41 s of the 0.47 s it took to pack the benchmark model's 611 MiB on
-    2 CPU cores; 0.05 s into a file already written). A slot is retired instead (its file unlinked, a new
+    pays that for every byte sent (most of the packing time: docs/performance.md, "What made it fast").
+    A slot is retired instead (its file unlinked, a new
     one made) when an engine reports that it still holds views into the file after the load: vLLM's
     layerwise reload keeps the received tensors of a layer it cannot process yet (one whose parameter is
     padded beyond the checkpoint's shape, attention scales) until finalize, and overwriting the file would

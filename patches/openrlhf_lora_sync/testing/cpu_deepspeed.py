@@ -7,7 +7,7 @@ OpenRLHF's own forward, backward and optimizer step:
 - `init_cpu_process()`: the CPU stand-ins of the real trainer's processes (cpu_standins.py: CUDA calls
   OpenRLHF makes answered, its log-probs on their torch path), the gloo process group;
 - `use_torch_adam()`: DeepSpeed builds torch's AdamW from OpenRLHF's optimizer config instead of its own
-  CPU Adam / fused Adam, C++ extensions compiled on first use (minutes on 2 cores); both runs of a
+  CPU Adam / fused Adam, C++ extensions compiled on first use (docs/cpu-run.md); both runs of a
   comparison then use the same optimizer code;
 - `prepared_lora_actor()` and `train_step()`;
 - `process_env()`: the environment of one such process (a rank of a world on this host).

@@ -17,16 +17,10 @@ and start_checkpoint_engine, the one way the tools start an engine on a user's c
 Does not cover: generation or sampling equivalence (only teacher-forced logprobs are compared);
 processors for a directory with neither processor nor tokenizer files (verify_sync's --processor).
 
-Tolerances, from measurements on the tiny test models (tests/test_engine_equivalence.py):
-- float32: HF vs vLLM-CPU differ by at most ~5e-7; 1e-4 leaves two orders of magnitude of margin.
-- bfloat16 (Qwen3.5, whose linear attention runs on vLLM-CPU only in bf16): 4.5e-3 to 4.8e-3 measured,
-  below one bf16 ulp at |logprob| ~ 6 (the log of the tiny vocabulary size), which is 0.03. 0.05 sits
-  ten times above the measured error and twenty times below the 1.1+ nats that perturbed weights give.
-  After a LoRA sync into a bf16 engine the error grows with the adapter (over LoRA seeds 0-9, r=8,
-  alpha 16, 2026-12-03): Qwen3.5 full sync 0.011-0.032, Qwen3.5 adapter mode 0.008-0.014 (linear
-  attention only) and 0.012-0.046 (every language linear), Qwen2.5-VL bf16 0.002-0.014; the engine
-  before the sync 0.36-1.03. Strong adapters need more: scripts/bench_sync.py checks against the probe's
-  threshold (0.1).
+Tolerances (LOGPROB_TOLERANCE, per dtype) are set from readings on the tiny test models
+(tests/test_engine_equivalence.py); the readings and the margins they leave: docs/fidelity.md, "The
+engine-vs-HF tolerances". Strong adapters need more: scripts/bench_sync.py checks against the probe's
+threshold instead.
 """
 
 from __future__ import annotations

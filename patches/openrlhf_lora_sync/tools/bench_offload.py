@@ -5,9 +5,9 @@ step and per sync, as a ratio to the same run without it.
     python scripts/bench_offload.py [--scale bench|tiny] [--steps 5] [--syncs 3] [--length 64]
 
 Hardware: CPU only (DeepSpeed's CPU accelerator, ZeRO-3, world size 1, gloo; the script starts itself as
-that worker process). Expected time at the default `bench` scale (Qwen2.5-VL-shaped, 320M parameters,
-tiny_models.py, LoRA r=64 on every language-model linear, bf16 policy): 1.5-3 minutes on 2 shared cores
-(measured 94 s and 158 s; --scale tiny: 20 s).
+that worker process). The default `bench` scale (Qwen2.5-VL-shaped, 320M parameters, tiny_models.py,
+LoRA r=64 on every language-model linear, bf16 policy) takes a few minutes on 2 cores, --scale tiny well
+under one; its measured times and ratios: docs/memory.md, "What it costs in step time".
 
 What it builds: both policies through OpenRLHF's own code (cpu_deepspeed.prepared_lora_actor: `Actor(...,
 ds_config=strategy.get_ds_train_config())` and `strategy.prepare`), one with LORA_SYNC_OFFLOAD_PARAMS=1
@@ -19,10 +19,11 @@ and one without, in the same process, then alternates them so that load on a sha
   the engine's side does not depend on where the trainer keeps its parameters (scripts/bench_sync.py).
 Prints medians per mode and their ratio (offload / resident), then one JSON line; asserts nothing on time.
 
-What CPU numbers cannot show: on the CPU accelerator the device is the host, so ZeRO-3 fetches an
-offloaded partition without copying it; these ratios are the offload's code path (flat host buffers, the
-optimizer on the host path), not the PCIe transfer a GPU host pays on every forward and backward (each
-rank's bf16 shard, 2P/N bytes, host to device per pass: an estimate there, see scripts/memory_budget.py).
+Does not cover what CPU numbers cannot show: on the CPU accelerator the device is the host, so ZeRO-3
+fetches an offloaded partition without copying it; these ratios are the offload's code path (flat host
+buffers, the optimizer on the host path), not the PCIe transfer a GPU host pays on every forward and
+backward (each rank's bf16 shard, 2P/N bytes, host to device per pass: an estimate there, see
+scripts/memory_budget.py).
 """
 
 from __future__ import annotations

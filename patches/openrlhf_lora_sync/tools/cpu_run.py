@@ -1,9 +1,10 @@
 """The main job on a machine without a GPU: OpenRLHF's real `train_ppo_ray` on a CPU recipe, then its summary.
 
-Hardware: CPU only (2 cores are enough), the CPU stack (`bash scripts/setup_env.sh`), no network, about
-5 GB of RAM. Expected time on 2 cores, after setup: recipes/smoke-cpu.yaml (2 steps) about 60 s;
-recipes/learn-cpu.yaml with --control (the control run, then the run: 12 steps each) about 4 minutes. The
-first run on a machine also compiles DeepSpeed's CPU ops (about 80 s, cached in ~/.cache/torch_extensions).
+Hardware: CPU only (2 cores are enough), the CPU stack (`bash scripts/setup_env.sh`), no network, several
+GB of RAM. On 2 cores, after setup, recipes/smoke-cpu.yaml (2 steps) takes about a minute and
+recipes/learn-cpu.yaml with --control (the control run, then the run: 12 steps each) a few; the first run
+on a machine also compiles DeepSpeed's CPU ops (cached in ~/.cache/torch_extensions). Measured time, memory
+and results: docs/cpu-run.md.
 
     bash scripts/run_grpo_lora.sh                      # no GPU: learn-cpu with its control (this module)
     bash scripts/run_grpo_lora.sh smoke-cpu            # the 2-step pipeline check

@@ -4,6 +4,7 @@ The diagrams are built into a ``datasets.DatasetDict`` shaped like ``hiyouga/geo
 answer, ``<image>`` tag in the problem) and converted by ``prepare_data.py``'s own ``convert``, so the
 sample is exactly what prepare_data writes. Image paths are relative to the repository root, where training
 and the tests run. Every answer follows from the numbers drawn in the figure.
+Does not cover: converting real datasets (prepare_data.py does).
 """
 
 from __future__ import annotations

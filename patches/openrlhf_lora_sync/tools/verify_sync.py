@@ -56,6 +56,9 @@ then the delta sync the trainer would send unaware; drop-bucket: a full sync wit
 raises mid-sync (sync_weights must raise and mark the next sync full). Prints one JSON line with
 fault, detected, recovered, how and the probe diffs; exits 0 iff detected (and, for sleep2, recovered).
 Its engine starts as the plain check's does (logprob_check.start_checkpoint_engine: the same processor).
+Does not cover: OpenRLHF's trainer and engine actors around the sync (no Ray, DeepSpeed or ZeRO-3 gather:
+the CPU run and scripts/bench_trainer_sync.py go through them), transports other than /dev/shm, or
+several engines.
 """
 
 from __future__ import annotations
