@@ -117,7 +117,7 @@ case $(basename "${recipe%.yaml}") in
   learn-cpu)
     cpu_run=("$recipe" --control)
     say "CPU learning run: OpenRLHF's train_ppo_ray on a tiny random model learning to write ASCII text;" \
-      "the control first, then the run, about 4 minutes on 2 cores"
+      "the control first, then the run, about 3 minutes on 2 cores (docs/cpu-run.md)"
     ;;
 esac
 if [[ ${#cpu_run[@]} -gt 0 ]]; then
