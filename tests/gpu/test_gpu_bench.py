@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # What a bare GPU host lacks: importing any of them fails, as it would there.
 NOT_ON_A_BARE_GPU_HOST = ("vllm", "ray", "deepspeed", "openrlhf", "datasets", "math_verify", "wandb")
 BARE_HOST_RUN = """

@@ -49,7 +49,7 @@ import torch
 from openrlhf_lora_sync.patch import reference_policy
 from openrlhf_lora_sync.testing.cpu_deepspeed import process_env
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FAMILY = "qwen3"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 REFERENCE_ATOL = 1e-6

@@ -14,7 +14,6 @@ Does not cover: GPUs; faults in the real loop (test_real_trainer_faults.py); two
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -24,16 +23,12 @@ from pathlib import Path
 import pytest
 from openrlhf_lora_sync import QUIET_WARNINGS
 from openrlhf_lora_sync.patch import launch
+from openrlhf_lora_sync.testing import user_checkpoints
 from openrlhf_lora_sync.tools import cpu_run, wandb_workspace
 
 from rewards.math_answer import reward_func
 
-ROOT = Path(__file__).resolve().parents[1]
-# test_user_inputs.py's checkpoint builders (transformers' classes, published config fields only), by path:
-# the tests are not a package (--import-mode=importlib).
-_spec = importlib.util.spec_from_file_location("user_inputs", Path(__file__).with_name("test_user_inputs.py"))
-user_inputs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(user_inputs)
+ROOT = Path(__file__).resolve().parents[2]
 # Measured (2026-12-04, 2 shared cores, 12 steps, train_ppo_ray): synced 0.42 -> 0.71, mean gen-KL 3e-5
 # (max 1.3e-4); the stale-engine control's gen-KL grows to ~1-3 by step 12. The margins sit inside those gaps.
 MIN_RISE = 0.1
@@ -142,16 +137,19 @@ def test_the_wandb_workspace_plots_keys_the_real_run_logs(learn_run):
 
 @pytest.fixture(scope="module")
 def user_checkpoint(tmp_path_factory):
-    """A Qwen2.5-VL as transformers saves it, with its processor files, made without this repo's builders."""
+    """A Qwen2.5-VL as transformers saves it, with its processor files (testing/user_checkpoints.py: not
+    tiny_models.py)."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    build = user_inputs
-    out = build._save(build._qwen2_5_vl(), tmp_path_factory.mktemp("user") / "my-qwen2_5_vl", vlm=True)
+    build = user_checkpoints
+    out = build.save_model(
+        build.qwen2_5_vl_config(), tmp_path_factory.mktemp("user") / "my-qwen2_5_vl", vlm=True
+    )
     sizes = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}
     Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(**sizes),
         video_processor=Qwen2VLVideoProcessor(**sizes),
-        tokenizer=build._tokenizer(),
+        tokenizer=build.qwen_tokenizer(),
         chat_template=build.CHAT_TEMPLATE,
     ).save_pretrained(out)
     return out

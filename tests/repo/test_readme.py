@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from openrlhf_lora_sync.base.pins import load_pins, load_table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 

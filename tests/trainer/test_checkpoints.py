@@ -40,7 +40,7 @@ import pytest
 import torch
 from openrlhf_lora_sync.testing.cpu_deepspeed import process_env
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KILL_RANK = 8192  # ~128 MB of fp32 adapter on the tiny Qwen3: writing it takes long enough to kill midway
 WORKER_TIMEOUT_S = 600
 ZERO3_CONFIG = {

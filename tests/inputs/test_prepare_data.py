@@ -25,7 +25,7 @@ from PIL import Image, ImageDraw
 
 from rewards.math_answer import PROMPT_INSTRUCTIONS
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLE_DIR = REPO_ROOT / "data" / "sample"
 
 

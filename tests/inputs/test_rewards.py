@@ -28,7 +28,7 @@ from rewards.math_answer import (
     normalize_unicode_math,
 )
 
-REWARD_FILE = Path(__file__).resolve().parents[1] / "rewards" / "math_answer.py"
+REWARD_FILE = Path(__file__).resolve().parents[2] / "rewards" / "math_answer.py"
 REWARD_ENV = (
     "REWARD_ACCURACY_WEIGHT",
     "REWARD_FORMAT_WEIGHT",

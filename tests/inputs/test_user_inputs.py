@@ -3,7 +3,7 @@
 Checkpoints are transformers config classes given only fields a published config has (tiny sizes,
 max_position_embeddings 256, below the harness's 1024), saved with save_pretrained and no processor
 files; the Qwen3-VL config keeps the text_config without `architectures` that Qwen3VLConfig saves;
-adapters are plain peft `save_pretrained` output.
+adapters are plain peft `save_pretrained` output (the builders: testing/user_checkpoints.py).
 Covers: Qwen3-VL with tokenizer files but no processor gets the family's default processor and its
 image prompt checked (the directory is not written to); Qwen3.5 saved in float32 is refused naming
 bf16 and passes in bf16; Qwen2.5-VL without tokenizer or processor files is refused naming
@@ -31,161 +31,56 @@ from pathlib import Path
 
 import pytest
 import torch
+from openrlhf_lora_sync.testing.user_checkpoints import (
+    CHAT_TEMPLATE,
+    TEXT,
+    qwen2_5_vl_config,
+    qwen3_5_config,
+    qwen3_vl_config,
+    qwen_tokenizer,
+    save_adapter,
+    save_model,
+)
 from openrlhf_lora_sync.tools import export_merged, verify_sync
-from peft import LoraConfig, get_peft_model
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     LlamaConfig,
-    PreTrainedTokenizerFast,
-    Qwen2_5_VLConfig,
     Qwen2_5_VLProcessor,
     Qwen2Config,
     Qwen2VLImageProcessor,
     Qwen2VLVideoProcessor,
-    Qwen3_5Config,
     Qwen3Config,
-    Qwen3VLConfig,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-SPECIAL_IDS = {
-    "<|image_pad|>": 500,
-    "<|video_pad|>": 501,
-    "<|vision_start|>": 502,
-    "<|vision_end|>": 503,
-    "<|im_start|>": 504,
-    "<|endoftext|>": 505,
-    "<|im_end|>": 506,
-}
-VISION_IDS = {
-    "image_token_id": 500,
-    "video_token_id": 501,
-    "vision_start_token_id": 502,
-    "vision_end_token_id": 503,
-}
-TEXT = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 256,
-    "bos_token_id": 505,
-    "eos_token_id": 506,
-}
-QWEN_VL_VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
-    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}"
-    "{% endif %}{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% endif %}"
-)
-
-
-def _qwen2_5_vl(hidden_size=64, mrope_section=(4, 6, 6)):
-    # Qwen2.5-VL's published config.json is flat: text fields at the top level, rope_scaling of type mrope.
-    return Qwen2_5_VLConfig(
-        **{**TEXT, "hidden_size": hidden_size},
-        rope_scaling={"type": "mrope", "mrope_section": list(mrope_section)},
-        vision_config={**QWEN_VL_VISION, "out_hidden_size": hidden_size, "fullatt_block_indexes": [1]},
-        **VISION_IDS,
-    )
-
-
-def _qwen3_vl():
-    rope = {"rope_type": "default", "mrope_section": [4, 6, 6], "mrope_interleaved": True}
-    return Qwen3VLConfig(
-        text_config={**TEXT, "head_dim": 32, "rope_scaling": rope},
-        vision_config={**QWEN_VL_VISION, "out_hidden_size": 64, "deepstack_visual_indexes": [1]},
-        **VISION_IDS,
-    )
-
-
-def _qwen3_5():
-    rope = {
-        "rope_type": "default",
-        "partial_rotary_factor": 0.25,
-        "mrope_section": [2, 3, 3],
-        "mrope_interleaved": True,
-    }
-    text = {
-        **TEXT,
-        "num_hidden_layers": 2,
-        "layer_types": ["linear_attention", "full_attention"],
-        "head_dim": 64,
-        # vLLM-CPU's gated-delta-net kernel runs only 128-wide linear key/value heads.
-        "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128,
-        "linear_num_key_heads": 1,
-        "linear_num_value_heads": 2,
-        "rope_parameters": rope,
-    }
-    return Qwen3_5Config(
-        text_config=text, vision_config={**QWEN_VL_VISION, "out_hidden_size": 64}, **VISION_IDS
-    )
-
-
-def _tokenizer():
-    """A character-level tokenizer with Qwen's special tokens at the config's ids, as a hub tokenizer has."""
-    from tokenizers import Tokenizer, models
-
-    vocab = {chr(c): i for i, c in enumerate([10, *range(32, 127)])} | SPECIAL_IDS
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.add_special_tokens(list(SPECIAL_IDS))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def _save(config, out: Path, vlm: bool):
-    torch.manual_seed(0)
-    model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_config(config)
-    model.save_pretrained(out)
-    return out
-
-
-def _save_adapter(model_dir: Path, out: Path, vlm: bool, **lora) -> Path:
-    base = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(model_dir)
-    torch.manual_seed(1)
-    lora = {
-        "r": 4,
-        "lora_alpha": 8,
-        "target_modules": ["q_proj", "v_proj"],
-        "init_lora_weights": False,
-    } | lora
-    get_peft_model(base, LoraConfig(**lora)).save_pretrained(out)
-    return out
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def user(tmp_path_factory):
     """Checkpoints and adapters as users have them, built once for the module."""
     root = tmp_path_factory.mktemp("user-inputs")
-    q25vl = _save(_qwen2_5_vl(), root / "qwen2_5_vl", vlm=True)
-    q3vl = _save(_qwen3_vl(), root / "qwen3_vl", vlm=True)
-    _tokenizer().save_pretrained(q3vl)
-    q3 = _save(Qwen3Config(**TEXT, head_dim=32), root / "qwen3", vlm=False)
-    q35 = _save(_qwen3_5(), root / "qwen3_5", vlm=True)
-    _tokenizer().save_pretrained(q35)
-    q2 = _save(Qwen2Config(**TEXT), root / "qwen2", vlm=False)
+    q25vl = save_model(qwen2_5_vl_config(), root / "qwen2_5_vl", vlm=True)
+    q3vl = save_model(qwen3_vl_config(), root / "qwen3_vl", vlm=True)
+    qwen_tokenizer().save_pretrained(q3vl)
+    q3 = save_model(Qwen3Config(**TEXT, head_dim=32), root / "qwen3", vlm=False)
+    q35 = save_model(qwen3_5_config(), root / "qwen3_5", vlm=True)
+    qwen_tokenizer().save_pretrained(q35)
+    q2 = save_model(Qwen2Config(**TEXT), root / "qwen2", vlm=False)
     processor = root / "qwen2_5_vl-processor"
     sizes = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2}
     Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(**sizes),
         video_processor=Qwen2VLVideoProcessor(**sizes),
-        tokenizer=_tokenizer(),
+        tokenizer=qwen_tokenizer(),
         chat_template=CHAT_TEMPLATE,
     ).save_pretrained(processor)
     no_template = root / "qwen2_5_vl-tokenizer-without-chat-template"
     shutil.copytree(q25vl, no_template)
-    tokenizer = _tokenizer()
+    tokenizer = qwen_tokenizer()
     tokenizer.chat_template = None
     tokenizer.save_pretrained(no_template)
-    unnamed = _save_adapter(q2, root / "qwen2-adapter-unnamed", vlm=False)
+    unnamed = save_adapter(q2, root / "qwen2-adapter-unnamed", vlm=False)
     config = json.loads((unnamed / "adapter_config.json").read_text())
     (unnamed / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
     return {
@@ -194,17 +89,19 @@ def user(tmp_path_factory):
         "qwen3": q3,
         "qwen3_5": q35,
         "processor": processor,
-        "head16": _save(_qwen2_5_vl(hidden_size=32, mrope_section=(2, 3, 3)), root / "head16", vlm=True),
-        "right_adapter": _save_adapter(q25vl, root / "qwen2_5_vl-adapter", vlm=True),
+        "head16": save_model(
+            qwen2_5_vl_config(hidden_size=32, mrope_section=(2, 3, 3)), root / "head16", vlm=True
+        ),
+        "right_adapter": save_adapter(q25vl, root / "qwen2_5_vl-adapter", vlm=True),
         "no_template": no_template,
         # `qkv` is the vision tower's attention projection: this adapter changes the vision tower.
-        "vision_adapter": _save_adapter(
+        "vision_adapter": save_adapter(
             q25vl, root / "qwen2_5_vl-vision-adapter", vlm=True, target_modules=["q_proj", "v_proj", "qkv"]
         ),
-        "qwen2_adapter": _save_adapter(q2, root / "qwen2-adapter", vlm=False),
+        "qwen2_adapter": save_adapter(q2, root / "qwen2-adapter", vlm=False),
         "qwen2_adapter_unnamed": unnamed,
-        "b_zero_adapter": _save_adapter(q3, root / "qwen3-adapter-b0", vlm=False, init_lora_weights=True),
-        "llama": _save(LlamaConfig(**TEXT), root / "llama", vlm=False),
+        "b_zero_adapter": save_adapter(q3, root / "qwen3-adapter-b0", vlm=False, init_lora_weights=True),
+        "llama": save_model(LlamaConfig(**TEXT), root / "llama", vlm=False),
     }
 
 
@@ -327,7 +224,7 @@ def test_adapter_of_another_size_is_refused_with_the_keys(user, tmp_path):
     """Same family and names, other shapes (a Qwen2 adapter of hidden size 64 on a hidden-32 Qwen2)."""
     from openrlhf_lora_sync.config.adapter_check import AdapterMismatchError, load_checked_adapter
 
-    narrow = _save(Qwen2Config(**{**TEXT, "hidden_size": 32}), tmp_path / "qwen2-narrow", vlm=False)
+    narrow = save_model(Qwen2Config(**{**TEXT, "hidden_size": 32}), tmp_path / "qwen2-narrow", vlm=False)
     with pytest.raises(AdapterMismatchError, match=r"another shape.*layers\.0\.self_attn\.q_proj\.lora_A"):
         load_checked_adapter(AutoModelForCausalLM.from_pretrained(narrow), user["qwen2_adapter"])
 

@@ -7,12 +7,11 @@ export_merged in a fresh process: exit 2, stdout exactly one JSON line {"ok": fa
 the file and what is wrong, stderr that line behind the tool's name and no traceback. Each case's fixed
 twin (the intact files) passes weights_problem and exports.
 Does not cover: `.bin` weights (not checked: reading them means unpickling them), nor preflight's model
-check (tests/test_preflight.py).
+check (tests/inputs/test_preflight.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -21,12 +20,9 @@ from pathlib import Path
 
 import pytest
 from openrlhf_lora_sync.config.weights_check import expected_shapes, weights_problem
+from openrlhf_lora_sync.testing.user_checkpoints import TEXT, save_adapter, save_model
 
-ROOT = Path(__file__).resolve().parent.parent
-# test_user_inputs.py's checkpoint builders (transformers' classes, published config fields only), by path.
-_spec = importlib.util.spec_from_file_location("user_inputs", Path(__file__).with_name("test_user_inputs.py"))
-user_inputs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(user_inputs)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +32,14 @@ def intact(tmp_path_factory):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     root = tmp_path_factory.mktemp("bad-weights")
-    config = Qwen3Config(**user_inputs.TEXT, head_dim=32)
-    model = user_inputs._save(config, root / "qwen3", vlm=False)
+    config = Qwen3Config(**TEXT, head_dim=32)
+    model = save_model(config, root / "qwen3", vlm=False)
     sharded = root / "qwen3-sharded"
     AutoModelForCausalLM.from_pretrained(model).save_pretrained(sharded, max_shard_size="100KB")
-    wider = user_inputs._save(
-        Qwen3Config(**{**user_inputs.TEXT, "intermediate_size": 192}, head_dim=32), root / "wider", vlm=False
+    wider = save_model(
+        Qwen3Config(**{**TEXT, "intermediate_size": 192}, head_dim=32), root / "wider", vlm=False
     )
-    adapter = user_inputs._save_adapter(model, root / "qwen3-adapter", vlm=False)
+    adapter = save_adapter(model, root / "qwen3-adapter", vlm=False)
     return {"model": model, "sharded": sharded, "wider": wider, "adapter": adapter, "root": root}
 
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from rewards import reward_file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.name != "base.yaml")
 BASE = ROOT / "recipes" / "base.yaml"
 NO_WANDB_KEY = {"HOME": "/nonexistent"}

@@ -47,7 +47,7 @@ from openrlhf_lora_sync.testing.tiny_models import BYTE_VOCAB_SIZE, FAMILIES
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOKENS = torch.randint(0, BYTE_VOCAB_SIZE, (48,), generator=torch.Generator().manual_seed(1)).tolist()
 
 

@@ -6,23 +6,17 @@ recovered) on that checkpoint, with the family's default processor and with `--p
 processor saved by transformers' own classes); the checkpoint directory is never written. The fault
 path starts its engine the way the plain check does (logprob_check.start_checkpoint_engine); before, it
 ended in "OSError: Can't load image processor" with a traceback.
-Does not cover: the faults' detection logic itself on the repo's tiny models (tests/test_faults.py).
+Does not cover: the faults' detection logic itself on the repo's tiny models (tests/sync/test_faults.py).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from openrlhf_lora_sync.testing import user_checkpoints
 from openrlhf_lora_sync.tools import verify_sync
 
-# test_user_inputs.py's checkpoint builders (transformers' classes, published config fields only), by path:
-# the tests are not a package (--import-mode=importlib).
-_spec = importlib.util.spec_from_file_location("user_inputs", Path(__file__).with_name("test_user_inputs.py"))
-user_inputs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(user_inputs)
 FAULTS = ("stale", "sleep2", "drop-bucket", "transport")
 
 
@@ -32,15 +26,15 @@ def qwen3_vl(tmp_path_factory):
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     root = tmp_path_factory.mktemp("user-faults")
-    model = user_inputs._save(user_inputs._qwen3_vl(), root / "qwen3_vl", vlm=True)
-    user_inputs._tokenizer().save_pretrained(model)
+    model = user_checkpoints.save_model(user_checkpoints.qwen3_vl_config(), root / "qwen3_vl", vlm=True)
+    user_checkpoints.qwen_tokenizer().save_pretrained(model)
     sizes = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}  # Qwen3-VL's vision defaults
     processor = root / "qwen3_vl-processor"
     Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(**sizes),
         video_processor=Qwen3VLVideoProcessor(**sizes),
-        tokenizer=user_inputs._tokenizer(),
-        chat_template=user_inputs.CHAT_TEMPLATE,
+        tokenizer=user_checkpoints.qwen_tokenizer(),
+        chat_template=user_checkpoints.CHAT_TEMPLATE,
     ).save_pretrained(processor)
     assert not (model / "preprocessor_config.json").exists() and (model / "tokenizer.json").exists()
     return model, processor

@@ -23,7 +23,7 @@ import pytest
 from openrlhf_lora_sync.sync.probe import PROBE_THRESHOLD
 from openrlhf_lora_sync.tools.bench_trainer_sync import PCIE_GBPS, estimate_27b, model_27b
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_trainer_sync.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_trainer_sync.py"
 PATCH_ROWS = [
     f"{kind} {transport} 32 MiB" for transport in ("broadcast", "shm") for kind in ("full", "delta")
 ]

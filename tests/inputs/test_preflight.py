@@ -22,7 +22,7 @@ from openrlhf_lora_sync.config import host_checks, memory_budget, memory_report,
 from openrlhf_lora_sync.config import recipe as render_recipe
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RTX_4090 = host_checks.GpuInfo("NVIDIA GeForce RTX 4090", 23.99)
 H100 = host_checks.GpuInfo("NVIDIA H100 80GB HBM3", 79.1)
 # The user's flags, plus what OpenRLHF's own checks need to accept them: GRPO groups, a reward, and the

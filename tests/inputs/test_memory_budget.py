@@ -472,7 +472,7 @@ def test_cli_table_and_model_dir(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"memory_budget: {tmp_path / 'missing'}: no config.json")
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MEMORY_LINE = re.compile(
     r"# memory \(GiB/GPU, from scripts/memory_budget.py\): rollout ([\d.]+), train ([\d.]+), "
     r"sync ([\d.]+), delta sync ([\d.]+) of [\d.]+ usable; host RAM ([\d.]+) GiB per node; fits"

@@ -21,7 +21,7 @@ import pytest
 from openrlhf_lora_sync.config import preflight, reward_check
 from openrlhf_lora_sync.config.recipe import load_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "data" / "sample" / "train.jsonl"
 
 GOOD = """\

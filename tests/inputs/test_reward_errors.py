@@ -30,7 +30,7 @@ from types import SimpleNamespace
 import pytest
 from openrlhf_lora_sync.patch import reward_errors
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RAISING = """\
 def reward_func(queries, prompts, labels, **kwargs):
     raise ValueError(f"cannot grade label {labels[0]!r}")

@@ -18,7 +18,7 @@ import pytest
 from openrlhf_lora_sync.sync import adapter_mode
 from openrlhf_lora_sync.testing.tiny_models import FAMILIES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_verify(*args) -> tuple[int, dict]:
