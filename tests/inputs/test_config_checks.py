@@ -9,7 +9,7 @@ applied and must pass, so a check that refused everything would fail here.
 
 Does not cover: GPUs (the transport case gives preflight a GPU list), other releases actually installed
 (the version case passes the installed versions in), the full preflight command line
-(tests/test_preflight.py).
+(tests/inputs/test_preflight.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ decoder-layer linears the rule names and no vision module; the expansion follows
 Negative controls: Qwen2.5-VL's bare MLP names reach its vision tower (what the check catches); an unknown
 rule, a rule among module names and a rule without a model are refused in one line naming the fix.
 Does not cover: whether the sync merges the targets (config_checks.target_problems,
-tests/test_config_checks.py).
+tests/inputs/test_config_checks.py).
 """
 
 from __future__ import annotations

@@ -538,7 +538,8 @@ def test_the_27b_recipe_passes_preflight_on_4_rtx_4090s_with_enough_host_ram(tmp
     """run_checks on the 27B recipe with a stand-in nvidia-smi listing four 24 GB RTX 4090s (as
     test_gpus_from_nvidia_smi_when_torch_sees_none fakes them) and a fake /proc/meminfo. The lora_config
     check is left out (it builds the 27B on the meta device, about a minute on 2 cores):
-    tests/test_config_checks.py::test_shipped_recipes_target_modules_that_exist runs it on this recipe."""
+    tests/inputs/test_config_checks.py::test_shipped_recipes_target_modules_that_exist runs it on this
+    recipe."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + "echo 'NVIDIA GeForce RTX 4090, 24564'\n" * 4)

@@ -9,7 +9,7 @@ layouts; the repo keys become the environment variables the patch and the reward
 run script's --dry-run prints the launch command without importing Ray, vLLM or DeepSpeed (torch only
 builds the estimator's weightless model), picks
 the default recipe by GPU presence (without one, the CPU learning run).
-Does not cover: running a recipe (no GPU here) or preflight's checks (tests/test_preflight.py).
+Does not cover: running a recipe (no GPU here) or preflight's checks (tests/inputs/test_preflight.py).
 """
 
 from __future__ import annotations

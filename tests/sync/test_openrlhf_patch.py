@@ -5,7 +5,7 @@ The engine test runs OpenRLHF's own `RolloutRayActor` (vLLM's AsyncLLM with V1 m
 engine core is a separate, non-Ray process that loads the worker extension by import name) on CPU,
 and calls the patched method (not a copy) with the trainer's attributes it reads.
 It runs once per transport: colocated engines get /dev/shm buckets (sync.transport auto), and with
-LORA_SYNC_TRANSPORT=broadcast (what auto picks for engines on another Ray node: tests/test_two_node.py)
+LORA_SYNC_TRANSPORT=broadcast (what auto picks for engines on another Ray node: tests/sync/test_two_node.py)
 engines that are not colocated get a broadcast over a process group with the engine workers (gloo here,
 NCCL on GPUs).
 Does not cover: a whole `train_ppo_ray` run (the CPU smoke issue), CUDA IPC or NCCL (gpu tests).

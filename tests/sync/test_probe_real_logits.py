@@ -4,8 +4,8 @@ the run, faults still fail, each reading printed with its ratio to the floor (-s
 A tiny Qwen2.5-VL whose output head is scaled so its logits have a real LLM's spread (std 6, max near 30:
 testing/tiny_models.spread_logits), a bf16 engine, and the trainer in fp32 and in bf16. There the fixed
 bf16 threshold of the tiny models (0.1 on the max) fails a correct sync: the floor itself reads about that.
-Does not cover: OpenRLHF's actors (tests/test_faults.py drives openrlhf_patch's probe step; the CPU run
-drives the whole loop) or verify_sync's own verdict (tests/test_verify_sync.py).
+Does not cover: OpenRLHF's actors (tests/sync/test_faults.py drives openrlhf_patch's probe step; the CPU run
+drives the whole loop) or verify_sync's own verdict (tests/sync/test_verify_sync.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """scripts/wandb_workspace.py builds its sections offline (not saved). That its panels plot keys a real
-run logs is checked on the CPU run's metrics in tests/test_cpu_run.py, so OpenRLHF renaming a metric shows."""
+run logs is checked on the CPU run's metrics in tests/trainer/test_cpu_run.py, so OpenRLHF renaming a
+metric shows."""
 
 from __future__ import annotations
 

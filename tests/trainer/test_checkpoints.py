@@ -23,7 +23,7 @@ Does not cover: Ray, nor upstream's `save_logs_and_checkpoints` (its `global_ste
 rule is not run here; the recipe's cadence flags are checked as rendered), world sizes above 1, GPUs.
 CPU-only torch has no CUDA: the workers make `torch.cuda.synchronize` (which OpenRLHF's barrier helper
 calls after its real barrier) a no-op. Workers are subprocesses running this
-file, as in tests/test_zero3_sync.py.
+file, as in tests/sync/test_zero3_sync.py.
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ The checkpoint is a Qwen3 built from its transformers config class with matrices
 persistence threshold (1e5 elements), so the large ones are really partitioned and released.
 
 Does not cover: GPUs (no PCIe copy happens on CPU: scripts/bench_offload.py times what does), world sizes
-above 1 (tests/test_zero3_sync.py checks the gather at world size 2 without offload), Ray, DeepSpeed
-checkpoint save/load with offload. Workers are subprocesses running this file, as in test_zero3_sync.py.
+above 1 (tests/sync/test_zero3_sync.py checks the gather at world size 2 without offload), Ray, DeepSpeed
+checkpoint save/load with offload. Workers are subprocesses running this file, as in
+tests/sync/test_zero3_sync.py.
 """
 
 from __future__ import annotations

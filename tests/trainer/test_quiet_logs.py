@@ -7,7 +7,7 @@ Covers:
   same delta sync with the worker's filter taken out logs vLLM's "Failed to load weights" once per layer
   it left alone, so the capture would see them;
 - a full sync that really misses a layer still raises WeightSyncError, and vLLM's warning for that layer
-  still shows: the filter drops only the layers a sync leaves alone on purpose (tests/test_faults.py's
+  still shows: the filter drops only the layers a sync leaves alone on purpose (tests/sync/test_faults.py's
   dropped-bucket tests check the raise end to end through the transport);
 - exit: a process that ran an in-process engine prints no "nanobind: leaked" report with
   quiet_exit.silence_nanobind_leak_report, and prints it without (the control);
@@ -15,10 +15,11 @@ Covers:
   (torch.cuda's import, DeepSpeed's torch.distributed collectives, OpenRLHF's dataloader on CPU) warn in a
   fresh interpreter (the control), and none does under python_warnings() as PYTHONWARNINGS (what Ray
   workers and the vLLM processes they start get from the launcher) or after importing the package; the
-  user's own PYTHONWARNINGS entries are kept, last (tests/test_cpu_run.py checks the main job's whole log).
+  user's own PYTHONWARNINGS entries are kept, last (tests/trainer/test_cpu_run.py checks the main job's
+  whole log).
 Does not cover: OpenRLHF's Ray engine actors (the trainer's Ray engine handles are swapped for the
-in-process sync.LocalEngines, the same Engines protocol; tests/test_openrlhf_patch.py drives the actors);
-engines whose core runs in its own process (tests/test_bench_sync.py checks the benchmark's stderr).
+in-process sync.LocalEngines, the same Engines protocol; tests/sync/test_openrlhf_patch.py drives the actors);
+engines whose core runs in its own process (tests/tools/test_bench_sync.py checks the benchmark's stderr).
 """
 
 from __future__ import annotations

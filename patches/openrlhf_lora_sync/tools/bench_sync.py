@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> dict:
         progress(f"built {args.family} at scale {args.scale} in {model_dir}")
     # The post-sync probe's bf16 threshold (probe.py), not the tests' tiny-model tolerance (0.05): a correct
     # sync of the 20-layer bench model measured 0.04 against the fp32 reference (0.059 against HF in bf16);
-    # tests/test_bench_sync.py's tiny model with r=64, alpha 512, over 10 adapter seeds: 0.009 / 0.018 /
+    # tests/tools/test_bench_sync.py's tiny model with r=64, alpha 512, over 10 adapter seeds: 0.009 / 0.018 /
     # 0.051 (min / median / max) merged, 0.010 / 0.024 / 0.053 in adapter mode, the same bit for bit with 1
     # or 2 threads on either side; broken syncs measured 0.24 and up (probe.py), the unsynced tiny engine
     # 0.93.
