@@ -51,14 +51,14 @@ So ``\frac{1}{2}``, ``0.5``, ``1/2``, ``60^\circ``, ``12 \text{cm}``, ``x = 12``
 Before math-verify sees them, label and answer go through ``normalize_unicode_math``: the Unicode math
 models write (``2√3``, ``√(3+4)``, ``60°``, ``8π``, ``3×4``, ``−5``, ``x²``, ``24 cm²``, ``7½``, full-width
 and Arabic-Indic digits, thin and full-width spaces) becomes the LaTeX math-verify parses; only notation
-changes, never a value. tests/test_rewards.py grades a table of realistic geometry3k-style final answers
-(values, angles, lengths and areas with units, radicals, fractions, π, each right form with a wrong
+changes, never a value. tests/inputs/test_rewards.py grades a table of realistic geometry3k-style final
+answers (values, angles, lengths and areas with units, radicals, fractions, π, each right form with a wrong
 control) end to end; on its 113 answers: 3 false negatives and 0 false positives (47 and 0 without the
 normalisation). The three: ``\frac{\pi}{3}`` for the label 60 (no unit conversion), a bare ``24 cm^2``
 (math-verify reads ``c*m**2``) and ``5 in.`` (math-verify strips ``in`` but not ``in.``).
 
 What each kind of model output gets, for REWARD_ANSWER_FORMAT=boxed (accuracy, format, extra_logs flag set;
-"graded" means decided by math-verify as above). tests/test_rewards.py checks every row.
+"graded" means decided by math-verify as above). tests/inputs/test_rewards.py checks every row.
 
 ================================================================  ========  ======  =======================
 response                                                          accuracy  format  flag

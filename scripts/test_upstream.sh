@@ -15,18 +15,18 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 UPSTREAM_TESTS=(
-  tests/test_openrlhf_contract.py
-  tests/test_upstream_versions.py
+  tests/upstream/test_openrlhf_contract.py
+  tests/upstream/test_upstream_versions.py
   tests/unit/test_supported_versions.py
-  tests/test_engine_equivalence.py
-  tests/test_sync.py
-  tests/test_adapter_mode.py
-  tests/test_verify_sync.py
-  tests/test_faults.py
-  tests/test_probe_real_logits.py
-  tests/test_config_checks.py
-  tests/test_openrlhf_patch.py
-  tests/test_cpu_run.py
+  tests/sync/test_engine_equivalence.py
+  tests/sync/test_sync.py
+  tests/sync/test_adapter_mode.py
+  tests/sync/test_verify_sync.py
+  tests/sync/test_faults.py
+  tests/sync/test_probe_real_logits.py
+  tests/inputs/test_config_checks.py
+  tests/sync/test_openrlhf_patch.py
+  tests/trainer/test_cpu_run.py
 )
 case "${1:-}" in
   --cpu-oldest) venv=.venv-oldest; tests=("${UPSTREAM_TESTS[@]}") ;;
@@ -38,6 +38,6 @@ stack_flag="$1"
 shift
 
 bash scripts/setup_env.sh "$stack_flag"
-# The run script (test_cpu_run.py starts it) takes this stack's Python too.
+# The run script (tests/trainer/test_cpu_run.py starts it) takes this stack's Python too.
 export LORA_SYNC_PYTHON="$ROOT/$venv/bin/python"
 "$venv/bin/python" -m pytest "${tests[@]}" "$@"

@@ -215,7 +215,7 @@ def rollout_actor():
     diff(engine, token_ids, expected) -> the actor's max |prompt logprob - expected|;
     trainer_and_check(engine, model_dir, colocated, seed) -> (stand-in trainer around a bf16 LoRA policy,
     check() -> the engine's max |logprob diff| from that policy as it is now). All run in Ray actors too
-    (tests/test_two_node.py ships this module to them by value)."""
+    (tests/sync/test_two_node.py ships this module to them by value)."""
     from types import SimpleNamespace
 
     return SimpleNamespace(

@@ -5,7 +5,7 @@ Covers: fit_costs recovering known per-call and per-GiB costs, keeping both >= 0
 Check.around refusing a row when the engine already matched the policy before the sync (the
 check could not have failed) or does not match it after (the sync left the engine stale); the command
 line refusing bad values before any model is built.
-Does not cover: the benchmark itself (tests/test_bench_trainer_sync.py runs it at its smallest size).
+Does not cover: the benchmark itself (tests/tools/test_bench_trainer_sync.py runs it at its smallest size).
 """
 
 from __future__ import annotations

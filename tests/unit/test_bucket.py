@@ -4,7 +4,7 @@ Covers: split_groups keeps order, respects the limit and never splits a group (a
 group split across two reloads corrupts the engine), a group larger than the limit travels alone, no
 groups make no bucket; pack_into/unpack round-trip tensors of mixed dtypes and shapes at aligned offsets,
 with the layout as tuples or serialized lists (how vLLM's RPC carries it), never as dicts.
-Does not cover: which groups a sync builds (tests/unit/test_plan.py, tests/test_sync.py) or transport.
+Does not cover: which groups a sync builds (tests/unit/test_plan.py, tests/sync/test_sync.py) or transport.
 """
 
 from __future__ import annotations

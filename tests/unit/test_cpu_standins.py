@@ -3,7 +3,8 @@
 Each case runs in a fresh interpreter (the stand-ins are process-wide and installed once): it snapshots every
 attribute of torch.cuda, the sys.modules entries and the upstream classes the list could touch, installs,
 and reports what changed. Does not cover: whether the real trainer needs each one (measured by leaving it
-out: see cpu_standins.py), nor the engine switches' effect on vLLM (the real CPU runs: test_cpu_run.py).
+out: see cpu_standins.py), nor the engine switches' effect on vLLM (the real CPU runs:
+tests/trainer/test_cpu_run.py).
 """
 
 from __future__ import annotations

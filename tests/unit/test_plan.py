@@ -5,7 +5,8 @@ LoRA layers and `modules_to_save` copies, in model order) until the weights are 
 forced; fused-group expansion from a packed_modules_mapping (q/k/v, gate/up, Qwen3.5's in_proj pairs;
 members the model lacks are not invented); empty plans; and, through sync_weights with a recording
 transport and no engine, that a delta's fused group never spans two buckets however small they are.
-Does not cover: the engine's side (tests/test_sync.py) or merging (tests/test_sync.py, test_zero3_sync.py).
+Does not cover: the engine's side (tests/sync/test_sync.py) or merging (tests/sync/test_sync.py,
+tests/sync/test_zero3_sync.py).
 """
 
 from __future__ import annotations

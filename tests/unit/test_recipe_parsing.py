@@ -1,7 +1,7 @@
 """The recipe path's pure logic (recipe.py, settings.py's use in it): loading, overrides, every bad key and
 value named with its fix, the mapping to flags and environment variables, OpenRLHF's own parser and
 checks, wandb modes, and the render CLI's exits. Fast: no engine, no model, no torch (`pytest tests/unit`).
-Recipes themselves and run_grpo_lora.sh are tests/test_recipes.py's.
+Recipes themselves and run_grpo_lora.sh are tests/inputs/test_recipes.py's.
 """
 
 from __future__ import annotations

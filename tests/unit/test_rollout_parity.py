@@ -3,9 +3,9 @@
 vision placeholders kept out of sampling (never_sampled_token_ids on a config shaped like the published
 Qwen2.5-VL's, rollout_sampling on vLLM's own SamplingParams).
 
-Does not cover: the real trainer computing them (tests/test_cpu_run.py: synced runs' gen-KL near 0, the
-stale-engine control's far above), nor vLLM honouring the logit bias (the same runs: a sampled image pad
-fails the policy's forward there).
+Does not cover: the real trainer computing them (tests/trainer/test_cpu_run.py: synced runs' gen-KL near
+0, the stale-engine control's far above), nor vLLM honouring the logit bias (the same runs: a sampled
+image pad fails the policy's forward there).
 """
 
 from __future__ import annotations

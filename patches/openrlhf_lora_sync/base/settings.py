@@ -328,7 +328,7 @@ def resolved_transport(
     and the memory estimator call it):
     - "broadcast" when any engine actor's Ray node id (engine_nodes) differs from trainer rank 0's
       (trainer_node): /dev/shm files reach only the node they are written on. Node ids, not hostnames:
-      two Ray nodes on one host (tests/test_two_node.py) are two nodes;
+      two Ray nodes on one host (tests/sync/test_two_node.py) are two nodes;
     - else "shm" when the engines are colocated with the trainer, or the trainer has no CUDA (one CPU
       host: a file in /dev/shm costs less than a gloo broadcast);
     - else "broadcast" (engines on their own GPUs of this node: NCCL).

@@ -5,7 +5,7 @@ dry run takes a second and works where those cannot load); what it needs to know
 from vLLM's files, located with importlib's finder (which runs no package code).
 
 Covers: the max_lora_rank values vLLM's LoRAConfig accepts (adapter sync mode's rank limit).
-Does not cover: anything decided at run time (devices, kernels); tests/test_adapter_mode.py checks the
+Does not cover: anything decided at run time (devices, kernels); tests/sync/test_adapter_mode.py checks the
 value read here against vLLM's own type hints.
 """
 

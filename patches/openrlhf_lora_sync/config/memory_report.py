@@ -52,7 +52,7 @@ USER_27B_FLAGS = {
     "algo.advantage.estimator": "group_norm",
 }
 # What USER_27B_FLAGS map to under upstream OpenRLHF (with sync.reference_from_base: false; through this
-# repo's patch the KL reference is the base instead: tests/test_memory_budget.py checks both).
+# repo's patch the KL reference is the base instead: tests/inputs/test_memory_budget.py checks both).
 USER_27B = RunShape()
 LANGUAGE_ONLY_LORA = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 LEAN = replace(

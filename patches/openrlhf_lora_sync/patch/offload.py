@@ -22,7 +22,7 @@ across devices is not supported for offloaded parameters"). OpenRLHF's `offload_
 `reload_deepspeed_states` (the sleep's trainer side) return before calling it whenever the optimizer is
 offloaded, which this mode makes it: so the flag is accepted and does nothing for the policy, whose
 parameters, gradients and optimizer states are in host memory already (a critic keeps upstream's sleep).
-tests/test_offload.py runs both calls on an offloaded engine.
+tests/trainer/test_offload.py runs both calls on an offloaded engine.
 
 Refused before any GPU work (config_checks.offload_problems): ZeRO stages other than 3 and a 4-bit base.
 Does not cover: NVMe offload, or what offload costs in time: DeepSpeed checkpoint save/load (it gathers

@@ -27,7 +27,7 @@ actors (with colocate_all it waits for the policy forward first; otherwise Ray r
 at a time): after the rollout put vLLM to sleep (--vllm.enable_sleep) and before `ppo_train`'s
 `reload_states`, so the model is in exactly the state the policy forward of the same step runs in
 (--ds.enable_sleep offloads only optimizer states and gradients; with the trainer base offload,
-offload.py, both gather from host memory; tests/test_reference_policy.py runs both). Under ZeRO-3 the
+offload.py, both gather from host memory; tests/trainer/test_reference_policy.py runs both). Under ZeRO-3 the
 forward gathers each module's parameters as upstream's does; the skipped lora_A/lora_B are not needed
 (DeepSpeed's prefetch trace sees another module order and re-traces, which costs prefetching for that
 step, not correctness: docs/memory.md).

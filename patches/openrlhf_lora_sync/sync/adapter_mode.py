@@ -20,7 +20,7 @@ Covers:
   and waking does not restore them reliably): then the whole base is resent first through merge mode's
   full sync (sync.sync_weights) with the adapters switched off, so the engine gets W, not W + BA.
 
-tests/test_adapter_mode.py checks vLLM's logprobs with the LoRA request against the HF merge_and_unload
+tests/sync/test_adapter_mode.py checks vLLM's logprobs with the LoRA request against the HF merge_and_unload
 reference for Qwen2.5-VL, Qwen3-VL, Qwen3 (fp32) and Qwen3.5 (bf16), including LoRA on Qwen3.5's
 linear-attention projections alone (reported broken in earlier vLLM releases); what has been checked
 where, GPUs included: docs/fidelity.md.
@@ -52,7 +52,7 @@ from openrlhf_lora_sync.sync.plan import SyncState
 from openrlhf_lora_sync.sync.sync import DEFAULT_BUCKET_BYTES, Engines, SyncStats, sync_weights
 from openrlhf_lora_sync.sync.transport import BroadcastTransport, Send, ShmSlots
 
-# model_type -> family name; each is checked against HF's merged model by tests/test_adapter_mode.py.
+# model_type -> family name; each is checked against HF's merged model by tests/sync/test_adapter_mode.py.
 SUPPORTED_MODEL_TYPES = {
     "qwen2_5_vl": "Qwen2.5-VL",
     "qwen3_vl": "Qwen3-VL",
@@ -110,7 +110,7 @@ def check_adapter_mode_supported(model: nn.Module) -> None:
         raise UnsupportedAdapterError(
             f"adapter mode is verified against vLLM's LoRA only for "
             f"{', '.join(SUPPORTED_MODEL_TYPES.values())}; model type {model_type!r} is not among them"
-            f"{fix} (or add it after tests/test_adapter_mode.py shows vLLM matches the merged model)"
+            f"{fix} (or add it after tests/sync/test_adapter_mode.py shows vLLM matches the merged model)"
         )
     config = _peft_config(model)
     if config.modules_to_save:

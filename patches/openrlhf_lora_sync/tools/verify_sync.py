@@ -114,7 +114,7 @@ def check_inputs(args):
     if args.fault and args.mode != "merge":
         raise BadInputError(
             "--fault injects merge-mode faults; adapter mode's level-2 recovery is tested in "
-            "tests/test_adapter_mode.py"
+            "tests/sync/test_adapter_mode.py"
         )
     supported = f"the families this repo supports: {', '.join(SUPPORTED_MODEL_TYPES.values())}"
     try:
