@@ -53,8 +53,8 @@ models write (``2√3``, ``√(3+4)``, ``60°``, ``8π``, ``3×4``, ``−5``, ``
 and Arabic-Indic digits, thin and full-width spaces) becomes the LaTeX math-verify parses; only notation
 changes, never a value. tests/inputs/test_rewards.py grades a table of realistic geometry3k-style final
 answers (values, angles, lengths and areas with units, radicals, fractions, π, each right form with a wrong
-control) end to end; on its 113 answers: 3 false negatives and 0 false positives (47 and 0 without the
-normalisation). The three: ``\frac{\pi}{3}`` for the label 60 (no unit conversion), a bare ``24 cm^2``
+control) end to end (its counts of false negatives and positives: docs/reward-and-data.md). What it still
+misgrades: ``\frac{\pi}{3}`` for the label 60 (no unit conversion), a bare ``24 cm^2``
 (math-verify reads ``c*m**2``) and ``5 in.`` (math-verify strips ``in`` but not ``in.``).
 
 What each kind of model output gets, for REWARD_ANSWER_FORMAT=boxed (accuracy, format, extra_logs flag set;

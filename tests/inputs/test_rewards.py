@@ -29,6 +29,7 @@ from rewards.math_answer import (
 )
 
 REWARD_FILE = Path(__file__).resolve().parents[2] / "rewards" / "math_answer.py"
+REWARD_DOC = Path(__file__).resolve().parents[2] / "docs" / "reward-and-data.md"
 REWARD_ENV = (
     "REWARD_ACCURACY_WEIGHT",
     "REWARD_FORMAT_WEIGHT",
@@ -314,10 +315,8 @@ def test_geometry_answers_are_graded_by_value(geometry_grades, is_right, case):
     assert accuracy == float(is_right != (case in MISGRADED)), MISGRADED.get(case)
 
 
-def test_docstring_states_the_misgrade_counts_with_and_without_the_normalisation(
-    geometry_grades, monkeypatch
-):
-    """The counts in the module docstring, measured: with the normalisation (the graded table above), and
+def test_the_docs_state_the_misgrade_counts_with_and_without_the_normalisation(geometry_grades, monkeypatch):
+    """The counts docs/reward-and-data.md states, measured: with the normalisation (the graded table above), and
     without it, the negative control showing what the normalisation fixes."""
     with_normalisation = {case: accuracy == 1.0 for case, (accuracy, _, _) in geometry_grades.items()}
     # In this process, the verifier function the subprocesses run, with the normalisation taken out.
@@ -332,10 +331,11 @@ def test_docstring_states_the_misgrade_counts_with_and_without_the_normalisation
     unfixed = misgraded_counts(without_normalisation)
     assert unfixed[0] > fixed[0] and unfixed[1] == fixed[1] == 0
     stated = (
-        f"{len(GEOMETRY_ANSWERS)} answers: {fixed[0]} false negatives and {fixed[1]} false positives "
+        f"on {len(GEOMETRY_ANSWERS)} geometry-style answers in `tests/inputs/test_rewards.py` it has "
+        f"{fixed[0]} false negatives and {fixed[1]} false positives "
         f"({unfixed[0]} and {unfixed[1]} without the normalisation)"
     )
-    assert stated in " ".join(math_answer.__doc__.split())
+    assert stated in " ".join(REWARD_DOC.read_text().split())
 
 
 # The pure normalisation: (text, what math-verify is given, case).
