@@ -6,8 +6,6 @@
 - quiet_exit: an in-process vLLM-CPU engine's process ends without triton's nanobind leak report.
 - cpu_deepspeed: OpenRLHF's strategy and Actor on DeepSpeed's CPU accelerator, one process per rank.
 - policies: the peft LoRA policies, target patterns and training nudges the tests and benchmarks share.
-- smoke_pipeline: the CPU smoke run's GRPO step in one process (OpenRLHF's rollout, experience and loss
-  around an in-process engine), which tools/smoke_cpu.py drives.
 - upstream_on_cpu: upstream OpenRLHF's own weight sync made to run without a GPU (four stated answers),
   which tools/bench_trainer_sync.py times against the patch.
 
