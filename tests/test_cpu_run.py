@@ -144,13 +144,17 @@ def adapter_weights(out: Path) -> dict:
 
 def assert_peft_adapter(out: Path, targets: list[str]) -> None:
     """The run's adapter in peft's format (what export_merged and vLLM load): a LoRA on `targets` (the
-    recipe's), only lora_A / lora_B tensors, none in the vision tower."""
+    recipe's), lora_A / lora_B tensors and none in the vision tower. A targeted lm_head also has its own
+    frozen weight saved (peft's save_embedding_layers="auto" for lm_head): nothing else is."""
     from peft import PeftConfig
 
     config = PeftConfig.from_pretrained(out)
     assert config.peft_type == "LORA" and set(config.target_modules) == set(targets), config.target_modules
     names = list(adapter_weights(out))
-    assert names and all(name.split(".")[-2] in ("lora_A", "lora_B") for name in names), names
+    lora = [name for name in names if name.split(".")[-2] in ("lora_A", "lora_B")]
+    others = [name for name in names if name not in lora]
+    assert lora and all(name.endswith(".lm_head.base_layer.weight") for name in others), names
+    assert ("lm_head" in targets) == bool(others), names
     assert not [name for name in names if "visual" in name.split(".")], names
 
 
