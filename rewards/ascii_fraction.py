@@ -1,7 +1,7 @@
 """ASCII-text reward for OpenRLHF 0.11.2 GRPO: the share of the response's characters that are ASCII text.
 
 A task a tiny random model can learn in a minute, so that a CPU run shows GRPO + LoRA + weight sync turning
-into a rising reward (recipes/learn-cpu.yaml, scripts/smoke_cpu.py --control). The tiny models' byte-level
+into a rising reward (recipes/learn-cpu.yaml, tools/cpu_run.py --control). The tiny models' byte-level
 vocabulary (tiny_models.py: 256 bytes and the special tokens) makes a random model write byte noise: about
 38% of the bytes it samples are printable ASCII, tab or newline, the rest control characters and bytes
 that are not UTF-8 on their own (decoded as U+FFFD). So every sample earns a graded reward, the rewards of
@@ -18,7 +18,7 @@ Returned dict: ``rewards`` and ``scores`` (float tensors, one per query, both th
 no separate correctness), ``extra_logs`` (batch means, which OpenRLHF copies into wandb):
 ``ascii_fraction`` (the reward) and ``ascii_no_response`` (share of samples with no response text).
 
-What each input gets (tests/test_learn_cpu.py checks every row). ASCII text: the printable characters
+What each input gets (tests/test_rewards.py checks every row). ASCII text: the printable characters
 U+0020 to U+007E, tab, newline and carriage return.
 
 =========================================================  =========================  =================

@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random Qwen checkpoints and real vLLM-CPU engines handed to each test in a known
-state, and a reader for the history of an offline wandb run (the CPU smoke and learning runs log to one).
+state, and a reader for the history of an offline wandb run (the CPU runs of OpenRLHF's trainer log to one).
 
 Engines start once per session (start-up is what costs) and are shared: `tiny_engine` and
 `adapter_engine` hand a test an engine on its checkpoint's weights, with no adapter and empty caches,
@@ -270,21 +270,3 @@ def read_wandb_history(run_dir: Path) -> dict[int, dict]:
 def wandb_history():
     """wandb_history(run_dir) -> {step: history row} of an offline wandb run (read_wandb_history)."""
     return read_wandb_history
-
-
-@pytest.fixture(scope="session")
-def smoke_cpu_run(tiny_model_dir):
-    """smoke_cpu_run(output_dir, *options, sets=()) -> (exit code, summary.json, {step: wandb row}) of
-    scripts/smoke_cpu.py run in-process on the session's tiny Qwen2.5-VL, its run folder output_dir;
-    `options` are the driver's own (--recipe, --control, --steps...), `sets` recipe keys (KEY=VALUE)."""
-    from openrlhf_lora_sync.tools import smoke_cpu
-
-    def run(output_dir: Path, *options: str, sets: tuple[str, ...] = ()):
-        argv = [*options, "--model-dir", str(tiny_model_dir("qwen2_5_vl"))]
-        for override in (f"ckpt.output_dir={output_dir}", *sets):
-            argv += ["--set", override]
-        exit_code = smoke_cpu.main(argv)
-        summary = json.loads((output_dir / "summary.json").read_text())
-        return exit_code, summary, read_wandb_history(Path(summary["wandb_run_dir"]))
-
-    return run

@@ -1,5 +1,5 @@
 """Every entry point gives the same bad input the same message: render_recipe (run_grpo_lora.sh and its
---dry-run), preflight, memory_budget, the CPU runs (cpu_run, smoke_cpu) and the launcher all go through
+--dry-run), preflight, memory_budget, the CPU run (cpu_run) and the launcher all go through
 recipe.load_run / run_from_argv, so each must print the same lines (behind its own `name: ` prefix) and
 exit 2, before anything starts. Each case has a fixed twin that passes the recipe path (the control).
 And `null` never crashes any of them.
@@ -13,7 +13,7 @@ import pytest
 from openrlhf_lora_sync.config import memory_report, preflight
 from openrlhf_lora_sync.config import recipe as rr
 from openrlhf_lora_sync.patch import launch
-from openrlhf_lora_sync.tools import cpu_run, render_recipe, smoke_cpu
+from openrlhf_lora_sync.tools import cpu_run, render_recipe
 
 RECIPE = "qwen2_5_vl-7b-4x4090"  # a bare name, as users type it
 LAUNCH_BASE = [
@@ -71,7 +71,6 @@ def through_every_entry_point(
     for name, main in (
         ("preflight", preflight.main),
         ("memory_budget", memory_report.main),
-        ("smoke_cpu", smoke_cpu.main),
     ):
         code = main(["--recipe", recipe, *sets])
         results[name] = (code, messages(capsys, f"{name}: "))

@@ -85,6 +85,21 @@ def test_recipe_passes_openrlhfs_own_parser(recipe):
     assert args.actor.model_name_or_path == flags["actor.model_name_or_path"]
 
 
+def test_the_cpu_learning_run_takes_each_value_from_its_chain_its_overrides_or_openrlhf():
+    """learn-cpu.yaml -> smoke-cpu.yaml -> base.yaml, loaded as tools/cpu_run.py loads it: the nearest file's
+    value wins, an override wins over every file, and a key no file sets is OpenRLHF's own default."""
+    run = rr.load_run("learn-cpu", ["rollout.batch_size=3"])
+    base, smoke = (rr.load_recipe(ROOT / "recipes" / name) for name in ("base.yaml", "smoke-cpu.yaml"))
+    rollout = run.args.rollout
+    assert (
+        rollout.max_new_tokens == 16 not in (smoke["rollout.max_new_tokens"], base["rollout.max_new_tokens"])
+    )
+    assert rollout.n_samples_per_prompt == 4 != base["rollout.n_samples_per_prompt"]  # smoke-cpu's
+    assert rollout.batch_size == 3 != smoke["rollout.batch_size"]
+    parser, _ = rr.openrlhf_parser()
+    assert run.args.actor.adam.betas == parser.get_default("actor.adam.betas") is not None
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_header_states_hardware_memory_and_what_was_measured(recipe):
     header = [line for line in recipe.read_text().splitlines() if line.startswith("#")]

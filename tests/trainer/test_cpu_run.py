@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from openrlhf_lora_sync import QUIET_WARNINGS
+from openrlhf_lora_sync.config.recipe import load_recipe
 from openrlhf_lora_sync.patch import launch
 from openrlhf_lora_sync.testing import user_checkpoints
 from openrlhf_lora_sync.tools import cpu_run, wandb_workspace
@@ -92,7 +93,13 @@ def test_the_main_job_is_openrlhfs_trainer_and_learns_above_its_control(learn_ru
     # Rollout parity: the synced engine samples what the trainer computes; the stale one drifts away.
     assert summary["parity"]["gen_kl_max"] < 1e-2
     assert summary["control_parity"]["gen_kl_mean"] > 5 * summary["parity"]["gen_kl_mean"]
-    assert len(summary["history"]) == len(summary["control_history"]) == 12
+    history, control = summary["history"], summary["control_history"]
+    assert len(history) == len(control) == 12 >= 2 * cpu_run.REWARD_WINDOW  # first and last windows apart
+    # Both runs start from the untrained model, which writes some ASCII among its byte noise.
+    assert all(0 < run[0][cpu_run.REWARD_KEY] < 0.6 for run in (history, control)), (history[0], control[0])
+    # The first sync (ending step 1) is full, every later one a delta; the control's engine gets the first.
+    assert [row.get("sync/full") for row in history] == [None, 1] + [0] * (len(history) - 2)
+    assert [row.get("sync/full") for row in control] == [None, 1] + [None] * (len(control) - 2)
     # A step's row carries the sync that ended the step before it: the first has none.
     probes = [row[PROBE] for row in summary["history"] if PROBE in row]
     assert len(probes) >= len(summary["history"]) - 2 and max(probes) < 0.1, probes
@@ -102,16 +109,48 @@ def test_the_main_job_is_openrlhfs_trainer_and_learns_above_its_control(learn_ru
     assert len(verdicts) == len(probes) and set(verdicts) == {0}, verdicts
     assert summary["parity"]["gen_kl_over_gate_steps"] == 0  # no gen-KL warning on a synced run
     assert (out / "adapter_config.json").is_file() and (out / "control" / "adapter_config.json").is_file()
-    assert (out / "reward.png").is_file() and (out / cpu_run.METRICS_FILE).is_file()
+    assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / cpu_run.METRICS_FILE).is_file()
+    # The adapter as peft saves it, on the recipe's targets; peft starts B at 0, so a non-zero B was trained.
+    assert_peft_adapter(out, load_recipe(ROOT / "recipes" / "learn-cpu.yaml")["ds.lora.target_modules"])
+    lora_b = [w for name, w in adapter_weights(out).items() if "lora_B" in name]
+    assert lora_b and all(w.abs().max() > 0 for w in lora_b)
     assert "mean reward, first 5 -> last 5 steps" in done.stdout and "rollout parity" in done.stdout
     # The offline wandb run (OpenRLHF's WandbLogger in its PPOTrainer actor): OpenRLHF's own metrics and the
     # sync, probe and parity numbers, the same rewards as the metrics file.
     (wandb_run,) = (out / "wandb").glob("offline-run-*")
     rows = [row for row in wandb_history(wandb_run).values() if "train/rollout/reward_mean" in row]
-    for key in ("train/policy_loss", "train/sync/bytes", f"train/{PROBE}", "train/parity/gen_kl"):
+    logged = ("train/policy_loss", "train/sync/bytes", f"train/{PROBE}", "train/parity/gen_kl")
+    for key in (*logged, "train/ascii_fraction"):  # the last: the reward file's extra_logs
         assert any(key in row for row in rows), key
-    rewards = [row["train/rollout/reward_mean"] for row in rows]
-    assert rewards == pytest.approx([row[cpu_run.REWARD_KEY] for row in summary["history"]])
+    for run_dir, steps in ((out, history), (out / cpu_run.CONTROL, control)):  # each run its own wandb run
+        (wandb_run,) = (run_dir / "wandb").glob("offline-run-*")
+        rows = [row for row in wandb_history(wandb_run).values() if "train/rollout/reward_mean" in row]
+        rewards = [row["train/rollout/reward_mean"] for row in rows]
+        assert rewards == pytest.approx([row[cpu_run.REWARD_KEY] for row in steps]), run_dir
+
+
+def adapter_weights(out: Path) -> dict:
+    """The adapter's tensors as peft loads them (adapter_model.safetensors or .bin), by name."""
+    from peft.utils import load_peft_weights
+
+    return load_peft_weights(str(out), device="cpu")
+
+
+def assert_peft_adapter(out: Path, targets: list[str]) -> None:
+    """The run's adapter in peft's format (what export_merged and vLLM load): a LoRA on `targets` (the
+    recipe's), lora_A / lora_B tensors and none in the vision tower. A targeted lm_head also has its own
+    frozen weight saved (peft's save_embedding_layers="auto" for lm_head): nothing else is."""
+    from peft import PeftConfig
+
+    config = PeftConfig.from_pretrained(out)
+    assert config.peft_type == "LORA" and set(config.target_modules) == set(targets), config.target_modules
+    names = list(adapter_weights(out))
+    lora = [name for name in names if name.split(".")[-2] in ("lora_A", "lora_B")]
+    others = [name for name in names if name not in lora]
+    assert lora and all(name.endswith(".lm_head.base_layer.weight") for name in others), names
+    assert ("lm_head" in targets) == bool(others), names
+    assert not [name for name in names if "visual" in name.split(".")], names
 
 
 def panel_keys_nothing_logs(logged: set[str]) -> set[str]:
@@ -173,6 +212,10 @@ def test_a_cpu_recipe_runs_on_a_checkpoint_built_elsewhere(user_checkpoint, tmp_
     assert f"model='{user_checkpoint}'" in log  # the engine loaded the user's checkpoint, as given
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == str(user_checkpoint) and len(summary["history"]) == 1
+    # smoke-cpu adapts the language linears by name; the vision tower's MLPs share the bare names.
+    targets = load_recipe(ROOT / "recipes" / "smoke-cpu.yaml")["ds.lora.target_modules"]
+    assert_peft_adapter(out, targets)
+    assert any(".layers." in name for name in adapter_weights(out))
 
 
 def test_a_model_path_that_is_neither_a_checkpoint_nor_the_recipes_tiny_path_is_refused(tmp_path, capsys):

@@ -73,7 +73,7 @@ def _batch(seed: int = 0):
 def _cpu_stack_stand_ins() -> None:
     """In a worker process: CPU answers for OpenRLHF's CUDA calls, and its log_probs_from_logits on its torch
     path (the CPU stack's flash-attn has Python files but no kernels: an import that fails sends OpenRLHF
-    to its torch fallback, as testing/smoke_pipeline.py does for scripts/smoke_cpu.py)."""
+    to its torch fallback, as patch/cpu_standins.py does in a CPU run's processes)."""
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *args, **kwargs: None
     sys.modules[TRITON_CROSS_ENTROPY] = None

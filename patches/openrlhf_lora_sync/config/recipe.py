@@ -5,7 +5,7 @@ train_ppo_ray flags, this repo's environment variables, and OpenRLHF's own parse
     run.argv, run.env, run.args.ds.lora.rank, run.setting("sync.mode")
 
 Every entry point goes through it: scripts/render_recipe.py (and run_grpo_lora.sh, --dry-run), preflight,
-memory_budget (--recipe), the CPU runs (smoke_cpu) and the launcher (run_from_argv), so the same bad input
+memory_budget (--recipe), the CPU run (cpu_run) and the launcher (run_from_argv), so the same bad input
 gets the same message everywhere. Hardware: none; imports no vLLM, Ray or DeepSpeed, and torch only to
 expand a LoRA target rule (lora_targets.py, on the model built weightless).
 

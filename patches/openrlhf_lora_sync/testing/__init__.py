@@ -8,8 +8,6 @@
 - policies: the peft LoRA policies, target patterns and training nudges the tests and benchmarks share.
 - user_checkpoints: checkpoints and adapters as users have them (transformers' config classes with a
   published config's fields, peft's save_pretrained), not tiny_models' layout.
-- smoke_pipeline: the CPU smoke run's GRPO step in one process (OpenRLHF's rollout, experience and loss
-  around an in-process engine), which tools/smoke_cpu.py drives.
 - upstream_on_cpu: upstream OpenRLHF's own weight sync made to run without a GPU (four stated answers),
   which tools/bench_trainer_sync.py times against the patch.
 

@@ -178,8 +178,7 @@ def table(history: list[dict], control: list[dict]) -> str:
 
 def reward_plot(curves: dict[str, list[float]], summary: dict, path: Path, reward_name: str, what: str):
     """reward.png: each curve's mean reward per step, titled with `what` and the summary's first/last
-    means (and the control's); None without matplotlib. The in-process driver (smoke_cpu.py) draws its
-    plot here too."""
+    means (and the control's); None without matplotlib."""
     try:
         import matplotlib
     except ImportError:

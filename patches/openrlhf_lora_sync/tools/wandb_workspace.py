@@ -8,8 +8,7 @@ Hardware: none (talks to the wandb API only). Time: seconds. Needs WANDB_API_KEY
 Panels: reward and accuracy (the reward's extra_logs), KL and response length (OpenRLHF's), and this
 repo's weight sync: seconds, bytes, full vs delta and the post-sync probe difference. OpenRLHF logs its
 training status under `train/`; the sync stats join that status (openrlhf_patch.py), hence `train/sync/*`.
-Covers: creating (saving) the workspace with wandb-workspaces. Does not cover: logging (OpenRLHF does it)
-or the CPU smoke run's wandb run, which logs under its own keys (scripts/smoke_cpu.py).
+Covers: creating (saving) the workspace with wandb-workspaces. Does not cover: logging (OpenRLHF does it).
 """
 
 from __future__ import annotations
