@@ -32,7 +32,7 @@ logger.setLevel(logging.INFO)  # the per-sync summary is INFO; apply() gives it 
 
 _APPLIED_MARK = "_openrlhf_lora_sync_patched"
 
-# The fix, trainer side: ActorPPOTrainer.broadcast_to_vllm replaced. -----------------------------------
+# The fix, trainer side: ActorPPOTrainer.broadcast_to_vllm replaced (and PPOTrainer.fit at sleep level 2). --
 
 
 def lora_broadcast_to_vllm(self) -> None:
@@ -235,6 +235,24 @@ def _asked_once(trainer, attribute: str, ask, rank: int, distributed: bool):
         value = shared[0]
         setattr(trainer, attribute, value)
     return value
+
+
+def _synced_before_first_rollout(upstream_fit):
+    """PPOTrainer.fit, with a sync into the engines before the first rollout at vLLM sleep level 2.
+
+    create_vllm_engines puts the engines to sleep right after they load the checkpoint, and level 2 frees
+    the weights instead of offloading them: woken for the first rollout they hold garbage until the first
+    sync, which upstream runs after the first training step. A resumed fit syncs before its first rollout
+    already (upstream, on the same condition as here): nothing is added then. At level 2 every sync is
+    full (lora_broadcast_to_vllm); levels 0 and 1 keep the checkpoint, and nothing changes there."""
+
+    def fit(self, global_step: int = 0) -> None:
+        level_2 = self.vllm_engines and self.args.vllm.enable_sleep and sleep_level() == 2
+        if level_2 and not (global_step or self.init_checkpoint_states()["global_step"] > 0):
+            self.broadcast_to_vllm()
+        return upstream_fit(self, global_step)
+
+    return fit
 
 
 # The fix, engine side: OpenRLHF's engine actor loads this package's worker extension. ----------------
@@ -549,7 +567,7 @@ def _parts() -> tuple[Part, ...]:
         trainer.broadcast_to_vllm = lora_broadcast_to_vllm
 
     return (
-        # The fix: the trainer's sync and the engine side it talks to.
+        # The fix: the trainer's sync, the engine side it talks to, and at sleep level 2 a first sync.
         Part(
             "sync",
             "ActorPPOTrainer.broadcast_to_vllm -> lora_broadcast_to_vllm",
@@ -563,6 +581,13 @@ def _parts() -> tuple[Part, ...]:
             "the sync's engine side: loads LoraSyncWorkerExtension instead of WorkerWrap, adds the sync's "
             "RPC and cache resets; sleeps at sync.vllm_sleep_level; adapter mode; rollout_sampling",
             lambda: _wrap(vllm_engine, "RolloutRayActor", _lora_engine_actor),
+        ),
+        Part(
+            "sleep2_first_rollout",
+            "PPOTrainer.fit",
+            "at vLLM sleep level 2 the engines' first sleep discards the checkpoint and upstream syncs only "
+            "after a training step: a full sync before the first rollout",
+            lambda: _wrap(ppo_trainer_actor, "fit", _synced_before_first_rollout),
         ),
         # Further parts: each optional, none needed by the fix.
         Part(
