@@ -1,8 +1,9 @@
 """The run-time patch of OpenRLHF 0.11.2: LoRA-aware merge-then-sync in place of `broadcast_to_vllm`.
 
 Covers: `apply()` and what it installs, listed in `_parts()` with one line each, the fix first (the
-trainer's sync, `lora_broadcast_to_vllm`, and the engine actor that receives it), then the further parts
-(checks, metrics, saves, the reference policy, offload, CPU stand-ins). `apply()` is idempotent and runs
+trainer's sync, `lora_broadcast_to_vllm`; the engine actor that receives it; at vLLM sleep level 2 a sync
+before the first rollout), then the further parts (checks, metrics, saves, the reference policy, offload,
+CPU stand-ins). `apply()` is idempotent and runs
 in the driver (launch.py) and in every Ray worker, nested ones too (Ray's `worker_process_setup_hook`);
 vLLM's engine-core process gets the worker extension by import name from the patched engine actor.
 Does not cover: the sync itself (sync/: merge, plan, bucket, transport, worker_extension, probe), or
