@@ -16,6 +16,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from openrlhf.trainer import ppo_trainer
 from openrlhf.trainer.ray import ppo_actor, vllm_engine
 from openrlhf_lora_sync.base import pins
 from openrlhf_lora_sync.patch import openrlhf_patch
@@ -33,6 +34,8 @@ def test_apply_is_idempotent():
     openrlhf_patch.apply()
     assert _patched_state() == first
     assert ppo_actor.ActorPPOTrainer.broadcast_to_vllm is openrlhf_patch.lora_broadcast_to_vllm
+    fit = ppo_trainer.PPOTrainer.__ray_metadata__.modified_class.fit  # part sleep2_first_rollout
+    assert fit.__qualname__.startswith("_synced_before_first_rollout")
     assert openrlhf_patch.is_applied()
 
 

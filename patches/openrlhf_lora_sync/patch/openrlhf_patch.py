@@ -1,57 +1,138 @@
 """The run-time patch of OpenRLHF 0.11.2: LoRA-aware merge-then-sync in place of `broadcast_to_vllm`.
 
-`apply()` is idempotent and is run in every process that needs it: the driver (by the launcher,
-launch.py) and every Ray worker process, nested ones included (the launcher passes it to `ray.init` as
-`runtime_env["worker_process_setup_hook"]`). vLLM's engine-core process is not a Ray worker; it gets
-this package's worker extension by import name, which the patched engine actor passes to vLLM.
-
-What it changes:
-- `ActorPPOTrainer.__init__`: also refuses adapters merge-then-sync cannot merge, at start;
-- `ActorPPOTrainer.ppo_train`: its returned status (logged by OpenRLHF) carries the last sync's stats;
-- `ActorPPOTrainer.broadcast_to_vllm` -> `lora_broadcast_to_vllm`: every trainer rank gathers the
-  policy one module at a time under ZeRO-3 and merges LoRA out of place (merge.py); rank 0 sends
-  buckets under HF checkpoint names in the engine dtype (bf16: OpenRLHF hardcodes it) over the chosen
-  transport, full or delta as the engines' state requires (plan.py), and logs one line per sync;
-- `DeepspeedStrategy.save_model` (the peft adapter at --ckpt.save_steps with --ckpt.save_hf, and the final
-  one in --ckpt.output_dir): rank 0 writes into a staging directory that replaces the target atomically
-  (checkpoint.py), so an interrupted save leaves the previous checkpoint whole;
-- `RolloutRayActor` (the vLLM engine actor): loads `LoraSyncWorkerExtension` instead of OpenRLHF's
-  `WorkerWrap`; gains `lora_sync_rpc` (collective_rpc to its workers) and `reset_all_caches` (prefix,
-  multimodal and encoder caches through the engine, which knows its scheduler); `sleep` honours
-  LORA_SYNC_VLLM_SLEEP_LEVEL (2 discards weights, so every following sync is full); in adapter sync mode
-  it starts vLLM with LoRA enabled and every request it submits carries the adapter installed last;
-- the KL reference (reference_policy.py): no reference model group; the policy actors compute the
-  reference log-probs with their adapters disabled;
-- with LORA_SYNC_OFFLOAD_PARAMS=1, the policy actor's ZeRO-3 config (offload.py): parameters and
-  optimizer in pinned host memory.
-
-Settings: read from the environment with settings.read (the launcher forwards LORA_SYNC_* to every Ray
-worker); each one's recipe key, variable, type, choices, default and effect is in settings.SETTINGS.
-The probe (sync.probe_every, sync.probe_threshold; probe.py): its floor is measured once, before the first
-sync; each probe logs sync/probe_* (reading, floor, ratio, verdict), warns above WARN_RATIO and stops the run
-with ProbeFailed above FAIL_RATIO.
-
-Transport (sync.transport=auto, settings.resolved_transport): broadcast when any engine actor's Ray
-node id differs from trainer rank 0's (shared memory and CUDA IPC reach only this node; asked once, at
-the first sync, and cached on the trainer as `_lora_sync_nodes`), else shm when colocated or when the
-trainer has no CUDA, else broadcast (NCCL between separate GPUs). The broadcast carries adapter mode's
-adapter too. The per-sync summary line names the transport (tests/test_two_node.py: two Ray nodes).
-
-Does not cover: OpenRLHF/vLLM releases other than the pinned ones, which `apply()` refuses.
+Covers: `apply()` and what it installs, listed in `_parts()` with one line each, the fix first (the
+trainer's sync, `lora_broadcast_to_vllm`; the engine actor that receives it; at vLLM sleep level 2 a sync
+before the first rollout), then the further parts (checks, metrics, saves, the reference policy, offload,
+CPU stand-ins). `apply()` is idempotent and runs
+in the driver (launch.py) and in every Ray worker, nested ones too (Ray's `worker_process_setup_hook`);
+vLLM's engine-core process gets the worker extension by import name from the patched engine actor.
+Does not cover: the sync itself (sync/: merge, plan, bucket, transport, worker_extension, probe), or
+OpenRLHF/vLLM releases other than the pinned ones, which `apply()` refuses. Reading order: docs/sync.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 
 from openrlhf_lora_sync.base import settings
 from openrlhf_lora_sync.base.pins import check_versions
-from openrlhf_lora_sync.patch import cpu_standins
+from openrlhf_lora_sync.patch import cpu_standins, run_metrics
+from openrlhf_lora_sync.patch.run_metrics import (  # noqa: F401 (also imported from here: tools, tests)
+    METRICS_FILE,
+    GenKLGateExceeded,
+    gen_kl_gate,
+    never_sampled_token_ids,
+    rollout_parity,
+    rollout_sampling,
+)
 
 logger = logging.getLogger("openrlhf_lora_sync")
 logger.setLevel(logging.INFO)  # the per-sync summary is INFO; apply() gives it a handler
 
 _APPLIED_MARK = "_openrlhf_lora_sync_patched"
+
+# The fix, trainer side: ActorPPOTrainer.broadcast_to_vllm replaced (and PPOTrainer.fit at sleep level 2). --
+
+
+def lora_broadcast_to_vllm(self) -> None:
+    """Replacement for ActorPPOTrainer.broadcast_to_vllm (runs on every trainer rank): the policy's
+    effective weights into the engines, full or delta as the engines' state requires (sync/sync.py), in
+    the engine dtype, under HF names; then the post-sync probe. One summary line per sync (rank 0)."""
+    import torch
+
+    state = _sync_state(self)
+    if _skipped_by_stale_engine_control(self):
+        return
+    if sleep_level() == 2:
+        state.weights_lost("vLLM sleep level 2 discarded the engine's weights")
+    distributed = torch.distributed.is_initialized()
+    rank = torch.distributed.get_rank() if distributed else 0
+    engines = RayEngines(self.vllm_engines)
+    transport_name, transport = _transport(self, engines, rank, distributed)
+    packed = _asked_once(
+        self, "_lora_sync_packed", lambda: engines.rpc("packed_modules_mapping")[0], rank, distributed
+    )
+    sync, mode_kwargs = _sync_for_mode(state)
+    _calibrate_probe_before_first_sync(self, engines, rank, distributed)
+    stats = sync(
+        self.actor.model.module,
+        engines,
+        state,
+        dtype=torch.bfloat16,  # create_vllm_engines hardcodes bf16 engines
+        packed_modules=packed,
+        bucket_bytes=settings.read("sync.bucket_mb") << 20,
+        send=rank == 0,
+        transport=transport,
+        **mode_kwargs,
+    )
+    stats.transport = transport_name
+    self._lora_sync_count = getattr(self, "_lora_sync_count", 0) + 1
+    _probe_if_due(self, engines, state, stats, rank, distributed)
+    if rank == 0:
+        logger.info("%s", stats)
+    self._lora_sync_last_stats = stats
+    if distributed:
+        torch.distributed.barrier()
+
+
+def _sync_state(trainer):
+    """What the trainer knows of the engines' weights (plan.SyncState; adapter mode's AdapterSyncState)."""
+    from openrlhf_lora_sync.sync.adapter_mode import AdapterSyncState
+    from openrlhf_lora_sync.sync.plan import SyncState
+
+    if getattr(trainer, "_lora_sync_state", None) is None:
+        trainer._lora_sync_state = AdapterSyncState() if sync_mode() == "adapter" else SyncState()
+    return trainer._lora_sync_state
+
+
+def _sync_for_mode(state) -> tuple[Callable, dict]:
+    """The mode (sync.mode): merge sends merged weights (sync.sync_weights: full or delta); adapter sends
+    the adapter every time and the base only when the engines lost it (adapter_mode.sync_adapter)."""
+    from openrlhf_lora_sync.sync.adapter_mode import sync_adapter
+    from openrlhf_lora_sync.sync.sync import sync_weights
+
+    force_full = settings.read("sync.force_full")
+    if sync_mode() != "adapter":
+        return sync_weights, {"force_full": force_full}
+    if force_full:
+        state.weights_lost("forced")
+    return sync_adapter, {}
+
+
+def _skipped_by_stale_engine_control(trainer) -> bool:
+    """A control (sync.stale_engine_control): every sync after the first is skipped, so the engines keep
+    the first sync's policy (the CPU run's never-synced control run)."""
+    import torch
+
+    if not settings.read("sync.stale_engine_control") or getattr(trainer, "_lora_sync_count", 0) == 0:
+        return False
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        logger.info(
+            "weight sync: skipped (sync.stale_engine_control: the engines keep the first sync's policy)"
+        )
+    trainer._lora_sync_last_stats = None
+    return True
+
+
+def _transport(trainer, engines, rank: int, distributed: bool):
+    """(name, what sync() takes) for the transport sync.transport names, auto resolved by where the
+    engines are (sync_transport); the broadcast's process group is made at the first sync and kept."""
+    # Rank 0's Ray node id and the engines': engines on another node get the broadcast transport.
+    trainer_node, engine_nodes = _asked_once(
+        trainer, "_lora_sync_nodes", lambda: _sync_nodes(engines), rank, distributed
+    )
+    name = sync_transport(trainer.strategy.args.train.colocate_all, trainer_node, engine_nodes)
+    if name != "broadcast":
+        return name, name
+    if getattr(trainer, "_lora_sync_broadcast", None) is None:
+        from openrlhf_lora_sync.sync.transport import BroadcastTransport
+
+        trainer._lora_sync_broadcast = BroadcastTransport(
+            engines, trainer.strategy.args.vllm.tensor_parallel_size
+        )
+    return name, trainer._lora_sync_broadcast
 
 
 def sleep_level() -> int:
@@ -157,86 +238,120 @@ def _asked_once(trainer, attribute: str, ask, rank: int, distributed: bool):
     return value
 
 
-def lora_broadcast_to_vllm(self) -> None:
-    """Replacement for ActorPPOTrainer.broadcast_to_vllm (runs on every trainer rank)."""
-    import torch
+def _synced_before_first_rollout(upstream_fit):
+    """PPOTrainer.fit, with a sync into the engines before the first rollout at vLLM sleep level 2.
 
+    create_vllm_engines puts the engines to sleep right after they load the checkpoint, and level 2 frees
+    the weights instead of offloading them: woken for the first rollout they hold garbage until the first
+    sync, which upstream runs after the first training step. A resumed fit syncs before its first rollout
+    already (upstream, on the same condition as here): nothing is added then. At level 2 every sync is
+    full (lora_broadcast_to_vllm); levels 0 and 1 keep the checkpoint, and nothing changes there."""
+
+    def fit(self, global_step: int = 0) -> None:
+        level_2 = self.vllm_engines and self.args.vllm.enable_sleep and sleep_level() == 2
+        if level_2 and not (global_step or self.init_checkpoint_states()["global_step"] > 0):
+            self.broadcast_to_vllm()
+        return upstream_fit(self, global_step)
+
+    return fit
+
+
+# The fix, engine side: OpenRLHF's engine actor loads this package's worker extension. ----------------
+
+
+def _lora_engine_actor(upstream_actor):
+    """A Ray actor class: OpenRLHF's engine actor plus what the sync needs (the worker extension,
+    lora_sync_rpc, reset_all_caches, node_id) and three riders: sleep at sync.vllm_sleep_level, adapter
+    mode's LoRA engine, and rollout_sampling. Methods must exist when `ray.remote` builds the class (actor
+    handles only expose those), hence a subclass, not attributes added to the upstream class afterwards."""
+    import ray
+
+    from openrlhf_lora_sync.sync.worker_extension import WORKER_EXTENSION_CLS
+
+    upstream = upstream_actor.__ray_metadata__.modified_class.__bases__[0]
+
+    class LoraSyncRolloutRayActor(upstream):
+        async def __init__(self, *args, **kwargs):
+            kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLS  # the fix: begin/load/finish_weight_sync
+            kwargs = cpu_standins.engine_kwargs(kwargs)
+            self._sleep_mode = bool(kwargs.get("enable_sleep_mode"))
+            self._never_sampled = never_sampled_token_ids(kwargs["model"], kwargs.get("mm_pad_token_ids"))
+            adapter_mode = sync_mode() == "adapter"
+            if adapter_mode:
+                from openrlhf_lora_sync.sync.adapter_mode import engine_lora_kwargs
+
+                kwargs.update(engine_lora_kwargs(adapter_lora_rank()))
+            await super().__init__(*args, **kwargs)
+            # Adapter mode: every request upstream's generate submits carries the adapter installed last
+            # (None until the first sync: the engine then serves the base, which is the initial policy).
+            self.lora_request = None
+            if adapter_mode:
+                submit = self.llm.generate
+
+                def generate_with_adapter(*args, **kwargs):
+                    return submit(*args, lora_request=self.lora_request, **kwargs)
+
+                self.llm.generate = generate_with_adapter
+
+        # The fix: the trainer's RPCs into the workers, and the cache resets after a sync.
+        async def lora_sync_rpc(self, method: str, *args):
+            results = await self.llm.collective_rpc(method, args=args)
+            if method in ("install_lora_adapter", "install_lora_adapter_broadcast"):
+                from openrlhf_lora_sync.sync.adapter_mode import lora_request_for
+
+                self.lora_request = lora_request_for(results[0]["lora_id"])
+            return results
+
+        async def reset_all_caches(self) -> None:
+            await self.llm.reset_prefix_cache()
+            await self.llm.reset_mm_cache()
+            await self.llm.reset_encoder_cache()
+
+        def node_id(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        # Riders: the sleep level the sync plans for (none on CPU), and the rollouts' sampling parameters.
+        async def sleep(self, level=None):
+            if self._sleep_mode:  # off on CPU (cpu_standins.ENGINE_SWITCHES): nothing to free
+                await super().sleep(level=sleep_level() if level is None else level)
+
+        async def wake_up(self, tags=None):
+            if self._sleep_mode:
+                await super().wake_up(tags=tags)
+
+        async def generate_responses(self, prompt, label, sampling_params, *args, **kwargs):
+            # sampling_params is this actor's own copy (Ray deserialized it), shared by the executors.
+            rollout_sampling(sampling_params, self._never_sampled)
+            return await super().generate_responses(prompt, label, sampling_params, *args, **kwargs)
+
+    LoraSyncRolloutRayActor.__qualname__ = LoraSyncRolloutRayActor.__name__ = "RolloutRayActor"
+    return ray.remote(LoraSyncRolloutRayActor)
+
+
+# A control: the post-sync probe (sync/probe.py), its floor measured before the first sync. ----------
+
+
+def _calibrate_probe_before_first_sync(trainer, engines, rank: int, distributed: bool) -> None:
+    """Before the first sync the engines still hold the checkpoint: the probe's noise floor, once a run
+    (not at sleep level 2, which discarded the checkpoint: the first sync's reading is the floor then)."""
+    first = getattr(trainer, "_lora_sync_count", 0) == 0
+    if settings.read("sync.probe_every") > 0 and first and sleep_level() != 2:
+        trainer._lora_sync_probe_floor = _calibrate_probe(trainer, engines, rank, distributed)
+
+
+def _probe_if_due(trainer, engines, state, stats, rank: int, distributed: bool) -> None:
+    """The probe after every sync.probe_every-th sync; a failed probe makes the next sync full."""
     from openrlhf_lora_sync.sync import probe
-    from openrlhf_lora_sync.sync.adapter_mode import AdapterSyncState, sync_adapter
-    from openrlhf_lora_sync.sync.plan import SyncState
-    from openrlhf_lora_sync.sync.sync import sync_weights
 
-    adapter_mode = sync_mode() == "adapter"
-    state = getattr(self, "_lora_sync_state", None)
-    if state is None:
-        state = self._lora_sync_state = AdapterSyncState() if adapter_mode else SyncState()
-    if settings.read("sync.stale_engine_control") and getattr(self, "_lora_sync_count", 0) > 0:
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            logger.info(
-                "weight sync: skipped (sync.stale_engine_control: the engines keep the first sync's policy)"
-            )
-        self._lora_sync_last_stats = None
+    every = settings.read("sync.probe_every")
+    if every <= 0 or trainer._lora_sync_count % every:
         return
-    if sleep_level() == 2:
-        state.weights_lost("vLLM sleep level 2 discarded the engine's weights")
-    distributed = torch.distributed.is_initialized()
-    rank = torch.distributed.get_rank() if distributed else 0
-    engines = RayEngines(self.vllm_engines)
-    # Rank 0's Ray node id and the engines': engines on another node get the broadcast transport.
-    trainer_node, engine_nodes = _asked_once(
-        self, "_lora_sync_nodes", lambda: _sync_nodes(engines), rank, distributed
-    )
-    transport_name = transport = sync_transport(
-        self.strategy.args.train.colocate_all, trainer_node, engine_nodes
-    )
-    if transport == "broadcast":
-        from openrlhf_lora_sync.sync.transport import BroadcastTransport
-
-        if getattr(self, "_lora_sync_broadcast", None) is None:
-            self._lora_sync_broadcast = BroadcastTransport(
-                engines, self.strategy.args.vllm.tensor_parallel_size
-            )
-        transport = self._lora_sync_broadcast
-    packed = _asked_once(
-        self, "_lora_sync_packed", lambda: engines.rpc("packed_modules_mapping")[0], rank, distributed
-    )
-    force_full = settings.read("sync.force_full")
-    if adapter_mode:
-        if force_full:
-            state.weights_lost("forced")
-        # The base weights are resent only when the engines lost them; the adapter goes every time.
-        sync, mode_kwargs = sync_adapter, {}
-    else:
-        sync, mode_kwargs = sync_weights, {"force_full": force_full}
-    probing = settings.read("sync.probe_every") > 0
-    if probing and getattr(self, "_lora_sync_count", 0) == 0 and sleep_level() != 2:
-        # Before the first sync the engines still hold the checkpoint: the probe's noise floor, once a run.
-        self._lora_sync_probe_floor = _calibrate_probe(self, engines, rank, distributed)
-    stats = sync(
-        self.actor.model.module,
-        engines,
-        state,
-        dtype=torch.bfloat16,  # create_vllm_engines hardcodes bf16 engines
-        packed_modules=packed,
-        bucket_bytes=settings.read("sync.bucket_mb") << 20,
-        send=rank == 0,
-        transport=transport,
-        **mode_kwargs,
-    )
-    stats.transport = transport_name
-    self._lora_sync_count = getattr(self, "_lora_sync_count", 0) + 1
-    if probing and self._lora_sync_count % settings.read("sync.probe_every") == 0:
-        try:
-            _probe_after_sync(self, engines, stats, rank, distributed)
-        except probe.ProbeFailed:
-            # Whoever catches this and goes on gets a full resync next time, not a delta onto bad weights.
-            state.weights_lost("the post-sync probe failed")
-            raise
-    if rank == 0:
-        logger.info("%s", stats)
-    self._lora_sync_last_stats = stats
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
+    try:
+        _probe_after_sync(trainer, engines, stats, rank, distributed)
+    except probe.ProbeFailed:
+        # Whoever catches this and goes on gets a full resync next time, not a delta onto bad weights.
+        state.weights_lost("the post-sync probe failed")
+        raise
 
 
 # OpenRLHF's engines run in bf16 (create_vllm_engines hardcodes it); the probe's floors are per dtype.
@@ -368,6 +483,9 @@ def _probe_after_sync(trainer, engines, stats, rank: int, distributed: bool) -> 
     probe.check(result, str(stats))
 
 
+# Further parts (apply()'s _parts() after the fix). ----------------------------------------------------
+
+
 def _checking_adapters_at_start(upstream_init):
     """Refuse adapters merge-then-sync cannot merge (DoRA, LoRA on embeddings...), or in adapter sync mode
     those vLLM's LoRA cannot serve, when the trainer is built, before the first rollout, rather than at the
@@ -398,219 +516,6 @@ def _with_sync_metrics(upstream_ppo_train):
     return ppo_train
 
 
-def never_sampled_token_ids(model: str, mm_pad_token_ids) -> list[int]:
-    """A VLM's vision placeholder ids (image/video pads, vision start/end), which rollouts must not sample.
-
-    The policy's forward counts the placeholders in prompt + response and expects one image feature per
-    image pad: a response with a sampled image pad fails there ("Image features and image tokens do not
-    match, tokens: 65, features: 64"). A trained model gives these ids next to no probability; a random one
-    (the CPU runs' tiny model) samples them often. Empty for text-only runs (no mm_pad_token_ids)."""
-    if not mm_pad_token_ids:
-        return []
-    from transformers import AutoConfig
-
-    from openrlhf_lora_sync.sync.probe import placeholder_token_ids
-
-    config = AutoConfig.from_pretrained(model, trust_remote_code=True)
-    return sorted({*placeholder_token_ids(config), *mm_pad_token_ids})
-
-
-def rollout_sampling(sampling_params, never_sampled: list[int]) -> None:
-    """What the patched engine actor changes in OpenRLHF's rollout SamplingParams, in place: the vision
-    placeholders get vLLM's lowest logit bias (never_sampled_token_ids), and the engine returns the sampled
-    tokens' log-probs, which the trainer compares with its own old-policy log-probs (rollout_parity).
-    vLLM's default log-probs are the raw model's (before temperature and this bias) and OpenRLHF's loss
-    ignores them unless its importance-sampling correction is on, so GRPO computes what it did."""
-    if never_sampled:
-        sampling_params.logit_bias = {
-            **(sampling_params.logit_bias or {}),
-            **dict.fromkeys(never_sampled, -100.0),
-        }
-    if sampling_params.logprobs is None:
-        sampling_params.logprobs = 1
-
-
-# In --ckpt.output_dir, one JSON object per logged step. In a folder of its own: the final adapter save
-# replaces the output folder's files atomically (checkpoint.py) and carries over only its subfolders.
-METRICS_FILE = "metrics/steps.jsonl"
-
-
-def _recording_metrics(upstream_save_logs):
-    """BasePPOTrainer.save_logs_and_checkpoints, also appending each logged step's numbers (OpenRLHF's
-    train metrics, sync/*, parity/*) to <ckpt.output_dir>/METRICS_FILE, the run's local record: the CPU
-    run's summary table, summary.json and reward plot are made from it, with or without wandb."""
-    import json
-    import os
-
-    def save_logs_and_checkpoints(self, global_step, logs_dict=None, client_states=None):
-        if logs_dict and global_step % self.args.logger.logging_steps == 0:
-            record = {"global_step": global_step}
-            record.update((k, v) for k, v in logs_dict.items() if isinstance(v, (int, float)))
-            path = os.path.join(self.args.ckpt.output_dir, METRICS_FILE)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "a") as metrics:
-                metrics.write(json.dumps(record) + "\n")
-        return upstream_save_logs(self, global_step, logs_dict, client_states)
-
-    return save_logs_and_checkpoints
-
-
-def rollout_parity(experiences) -> dict[str, float]:
-    """How far the engine's log-probs of the tokens it sampled (OpenRLHF's rollout_log_probs) are from
-    the trainer's old-policy log-probs of the same tokens (action_log_probs), over every action token of
-    a rollout step: parity/gen_kl (the k3 estimate of KL(rollout || trainer), >= 0, the quantity NeMo-RL
-    gates LoRA runs on, < 1e-3), parity/prob_ratio_mean (trainer / rollout token probability, ~1) and
-    parity/max_abs_logprob_diff. Empty when the rollouts carry no log-probs."""
-    import torch
-
-    diffs = []
-    for experience in experiences:
-        rollout, trainer = experience.rollout_log_probs, experience.action_log_probs
-        if rollout is None or trainer is None:
-            return {}
-        mask = experience.action_mask.bool()
-        width = trainer.shape[-1]  # the three are aligned at the sequence's end
-        diffs.append((trainer.float() - rollout[..., -width:].float())[mask[..., -width:]])
-    if not diffs:
-        return {}
-    log_ratio = torch.cat(diffs)  # log(pi_trainer / pi_rollout) per sampled token
-    return {
-        "parity/gen_kl": (log_ratio.exp() - 1 - log_ratio).mean().item(),
-        "parity/prob_ratio_mean": log_ratio.exp().mean().item(),
-        "parity/max_abs_logprob_diff": log_ratio.abs().max().item(),
-    }
-
-
-def _with_rollout_parity(upstream_rollout_stats):
-    """BasePPOTrainer._compute_rollout_stats plus rollout_parity, logged with OpenRLHF's rollout/*.
-    vLLM's log-probs here are the raw model's (before temperature), so they are compared only when the
-    rollout temperature is 1 or OpenRLHF asked vLLM for processed log-probs (its IS correction)."""
-
-    from openrlhf_lora_sync.sync.upstream_versions import is_correction_on
-
-    def _compute_rollout_stats(self, experiences):
-        stats = upstream_rollout_stats(self, experiences)
-        algo = self.args.algo.advantage
-        if self.args.rollout.temperature == 1.0 or is_correction_on(algo):
-            stats.update(rollout_parity(experiences))
-            self._lora_sync_rollout_steps = getattr(self, "_lora_sync_rollout_steps", 0) + 1
-            stats.update(gen_kl_gate(stats, self._lora_sync_rollout_steps, self))
-        return stats
-
-    return _compute_rollout_stats
-
-
-class GenKLGateExceeded(RuntimeError):
-    """The engine's rollouts drifted from the trainer's policy past sync.gen_kl_gate, and sync.gen_kl_stop
-    asked for the run to end there."""
-
-
-def gen_kl_gate(parity: dict[str, float], step: int, counter) -> dict[str, float]:
-    """sync.gen_kl_gate on a rollout step's parity/gen_kl (NeMo-RL gates its LoRA runs at a mean gen-KL of
-    1e-3): above it, a warning naming the step and the numbers, the step counted in parity/gen_kl_over_gate
-    (this step: 0 or 1) and parity/gen_kl_over_gate_steps (so far, on `counter`); with sync.gen_kl_stop,
-    GenKLGateExceeded. Empty when the step has no parity numbers or the gate is 0 (off)."""
-    gate = settings.read("sync.gen_kl_gate")
-    if "parity/gen_kl" not in parity or gate <= 0:
-        return {}
-    over = parity["parity/gen_kl"] > gate
-    counter._lora_sync_gen_kl_over = getattr(counter, "_lora_sync_gen_kl_over", 0) + over
-    if over:
-        message = (
-            f"rollout step {step}: mean gen-KL {parity['parity/gen_kl']:.3g} between the engine's and the "
-            f"trainer's log-probs of the sampled tokens is above sync.gen_kl_gate {gate:g} (max |log ratio| "
-            f"{parity['parity/max_abs_logprob_diff']:.3g}; {counter._lora_sync_gen_kl_over} step(s) so far): "
-            "the rollouts come from a policy measurably other than the one trained. Check the post-sync "
-            "probe's ratio (sync/probe_ratio); in bf16, sync.mode adapter keeps W + BA off the bf16 grid "
-            "(docs/fidelity.md)"
-        )
-        if settings.read("sync.gen_kl_stop"):
-            raise GenKLGateExceeded(message + "; sync.gen_kl_stop ends the run here")
-        logger.warning("%s", message)
-    return {
-        "parity/gen_kl_over_gate": float(over),
-        "parity/gen_kl_over_gate_steps": float(counter._lora_sync_gen_kl_over),
-    }
-
-
-def _closing_wandb(upstream_close):
-    """WandbLogger.close, then wandb.teardown(): finish() can return before wandb's service process has
-    written the run, and the PPOTrainer actor is ended by Ray right after fit, which otherwise logs wandb's
-    "Connection lost" traceback from its exit handler (seen on CPU runs)."""
-
-    def close(self):
-        upstream_close(self)
-        self.handle.teardown()
-
-    return close
-
-
-def _lora_engine_actor(upstream_actor):
-    """A Ray actor class: OpenRLHF's engine actor plus what the sync needs. Methods must exist when
-    `ray.remote` builds the class (actor handles only expose those), hence a subclass, not attributes
-    added to the upstream class afterwards."""
-    import ray
-
-    from openrlhf_lora_sync.sync.worker_extension import WORKER_EXTENSION_CLS
-
-    upstream = upstream_actor.__ray_metadata__.modified_class.__bases__[0]
-
-    class LoraSyncRolloutRayActor(upstream):
-        async def __init__(self, *args, **kwargs):
-            kwargs["worker_extension_cls"] = WORKER_EXTENSION_CLS
-            kwargs = cpu_standins.engine_kwargs(kwargs)
-            self._sleep_mode = bool(kwargs.get("enable_sleep_mode"))
-            self._never_sampled = never_sampled_token_ids(kwargs["model"], kwargs.get("mm_pad_token_ids"))
-            adapter_mode = sync_mode() == "adapter"
-            if adapter_mode:
-                from openrlhf_lora_sync.sync.adapter_mode import engine_lora_kwargs
-
-                kwargs.update(engine_lora_kwargs(adapter_lora_rank()))
-            await super().__init__(*args, **kwargs)
-            # Adapter mode: every request upstream's generate submits carries the adapter installed last
-            # (None until the first sync: the engine then serves the base, which is the initial policy).
-            self.lora_request = None
-            if adapter_mode:
-                submit = self.llm.generate
-
-                def generate_with_adapter(*args, **kwargs):
-                    return submit(*args, lora_request=self.lora_request, **kwargs)
-
-                self.llm.generate = generate_with_adapter
-
-        async def sleep(self, level=None):
-            if self._sleep_mode:  # off on CPU (cpu_standins.ENGINE_SWITCHES): nothing to free
-                await super().sleep(level=sleep_level() if level is None else level)
-
-        async def wake_up(self, tags=None):
-            if self._sleep_mode:
-                await super().wake_up(tags=tags)
-
-        async def generate_responses(self, prompt, label, sampling_params, *args, **kwargs):
-            # sampling_params is this actor's own copy (Ray deserialized it), shared by the executors.
-            rollout_sampling(sampling_params, self._never_sampled)
-            return await super().generate_responses(prompt, label, sampling_params, *args, **kwargs)
-
-        def node_id(self) -> str:
-            return ray.get_runtime_context().get_node_id()
-
-        async def lora_sync_rpc(self, method: str, *args):
-            results = await self.llm.collective_rpc(method, args=args)
-            if method in ("install_lora_adapter", "install_lora_adapter_broadcast"):
-                from openrlhf_lora_sync.sync.adapter_mode import lora_request_for
-
-                self.lora_request = lora_request_for(results[0]["lora_id"])
-            return results
-
-        async def reset_all_caches(self) -> None:
-            await self.llm.reset_prefix_cache()
-            await self.llm.reset_mm_cache()
-            await self.llm.reset_encoder_cache()
-
-    LoraSyncRolloutRayActor.__qualname__ = LoraSyncRolloutRayActor.__name__ = "RolloutRayActor"
-    return ray.remote(LoraSyncRolloutRayActor)
-
-
 def _enter_run_workdir() -> None:
     """Work in the launcher's directory (LORA_SYNC_WORKDIR), where this host has it: Ray starts workers in
     the directory its node was started from, and OpenRLHF opens the data's relative image paths in the
@@ -622,48 +527,155 @@ def _enter_run_workdir() -> None:
         os.chdir(workdir)
 
 
-def apply() -> None:
-    """Patch OpenRLHF in this process (idempotent). Raises UnsupportedVersionError on other releases."""
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One change apply() makes to OpenRLHF: `name`, the upstream code it changes and why, how."""
+
+    name: str
+    changes: str  # the upstream code it changes
+    why: str
+    install: Callable[[], None]
+
+
+def _wrap(owner, attribute: str, wrapper) -> None:
+    setattr(owner, attribute, wrapper(getattr(owner, attribute)))
+
+
+def _parts() -> tuple[Part, ...]:
+    """What apply() installs, in order: the fix first (the sync and its engine side), then the further
+    parts, each independent of the fix and of the others."""
     from openrlhf.trainer import ppo_trainer
     from openrlhf.trainer.ray import ppo_actor, vllm_engine
     from openrlhf.utils import logging_utils
     from openrlhf.utils.deepspeed import DeepspeedStrategy
+
+    from openrlhf_lora_sync.patch import checkpoint, offload, reference_policy, reward_errors
+
+    trainer, base_trainer = ppo_actor.ActorPPOTrainer, ppo_trainer.BasePPOTrainer
+    # ray.remote copied BasePPOTrainer's methods onto the PPOTrainer actor class it built: patch both.
+    ppo_trainer_actor = ppo_trainer.PPOTrainer.__ray_metadata__.modified_class
+
+    def wrap_base_trainer(attribute: str, wrapper) -> Callable[[], None]:
+        def install() -> None:
+            _wrap(base_trainer, attribute, wrapper)
+            setattr(ppo_trainer_actor, attribute, getattr(base_trainer, attribute))
+
+        return install
+
+    def replace_sync() -> None:
+        # Upstream's own sync stays callable (tools/bench_trainer_sync.py times it against the patch's).
+        trainer.upstream_broadcast_to_vllm = trainer.broadcast_to_vllm
+        trainer.broadcast_to_vllm = lora_broadcast_to_vllm
+
+    return (
+        # The fix: the trainer's sync, the engine side it talks to, and at sleep level 2 a first sync.
+        Part(
+            "sync",
+            "ActorPPOTrainer.broadcast_to_vllm -> lora_broadcast_to_vllm",
+            "upstream sends fp32 adapters under peft names (VLMs: adapters only) over CUDA IPC, which the "
+            "bf16 engine cannot load and ptrace_scope=1 forbids; this sends merged bf16 weights, HF names",
+            replace_sync,
+        ),
+        Part(
+            "engine_actor",
+            "vllm_engine.RolloutRayActor (looked up by create_vllm_engines when it runs)",
+            "the sync's engine side: loads LoraSyncWorkerExtension instead of WorkerWrap, adds the sync's "
+            "RPC and cache resets; sleeps at sync.vllm_sleep_level; adapter mode; rollout_sampling",
+            lambda: _wrap(vllm_engine, "RolloutRayActor", _lora_engine_actor),
+        ),
+        Part(
+            "sleep2_first_rollout",
+            "PPOTrainer.fit",
+            "at vLLM sleep level 2 the engines' first sleep discards the checkpoint and upstream syncs only "
+            "after a training step: a full sync before the first rollout",
+            lambda: _wrap(ppo_trainer_actor, "fit", _synced_before_first_rollout),
+        ),
+        # Further parts: each optional, none needed by the fix.
+        Part(
+            "adapter_checks",
+            "ActorPPOTrainer.__init__",
+            "refuses adapters the sync cannot merge (or adapter mode cannot serve) before the first rollout",
+            lambda: _wrap(trainer, "__init__", _checking_adapters_at_start),
+        ),
+        Part(
+            "sync_metrics",
+            "ActorPPOTrainer.ppo_train",
+            "its status, which OpenRLHF logs, carries the last sync's sync/* numbers",
+            lambda: _wrap(trainer, "ppo_train", _with_sync_metrics),
+        ),
+        Part(
+            "metrics_file",
+            "BasePPOTrainer.save_logs_and_checkpoints",
+            "also appends each logged step to <ckpt.output_dir>/metrics/steps.jsonl, with or without wandb",
+            wrap_base_trainer("save_logs_and_checkpoints", run_metrics.recording_metrics),
+        ),
+        Part(
+            "rollout_parity",
+            "BasePPOTrainer._compute_rollout_stats",
+            "adds parity/* (engine vs trainer log-probs of the sampled tokens) and the sync.gen_kl_gate",
+            wrap_base_trainer("_compute_rollout_stats", run_metrics.with_rollout_parity),
+        ),
+        Part(
+            "wandb_teardown",
+            "WandbLogger.close",
+            "then wandb.teardown(): no 'Connection lost' traceback when Ray ends the trainer actor",
+            lambda: _wrap(logging_utils.WandbLogger, "close", run_metrics.closing_wandb),
+        ),
+        Part(
+            "atomic_saves",
+            "DeepspeedStrategy.save_model",
+            "writes into a staging directory renamed over the target: an interrupted save keeps the old one",
+            lambda: _wrap(DeepspeedStrategy, "save_model", checkpoint.atomic_save_model),
+        ),
+        Part(
+            "resume_log",
+            "DeepspeedStrategy.load_ckpt",
+            "one line saying what a resume loaded (checkpoint.py)",
+            lambda: _wrap(DeepspeedStrategy, "load_ckpt", checkpoint.logging_resume),
+        ),
+        Part(
+            "reference_policy",
+            "the reference model group, RemoteExperienceMaker, PolicyModelActor",
+            "no reference model: the KL reference is the policy with its adapters disabled",
+            reference_policy.install,
+        ),
+        Part(
+            "offload",
+            "Actor.__init__, DeepspeedStrategy's ZeRO-3 config",
+            "with LORA_SYNC_OFFLOAD_PARAMS=1 the policy's parameters and optimizer in pinned host memory",
+            offload.install,
+        ),
+        Part(
+            "reward_errors",
+            "SingleTurnAgentExecutor, SamplesGenerator",
+            "a raising reward_func: a warning, a metric, a clear stop (reward_errors.py)",
+            reward_errors.install,
+        ),
+        Part(
+            "cpu_standins",
+            "torch.cuda calls OpenRLHF makes unconditionally, without CUDA only",
+            "lets the real train_ppo_ray run on CPU (cpu_standins.STAND_INS names each call site)",
+            cpu_standins.install,
+        ),
+    )
+
+
+def apply() -> None:
+    """Patch OpenRLHF in this process (idempotent): each of _parts(), the fix first. Raises
+    UnsupportedVersionError on other releases."""
+    from openrlhf.trainer.ray import ppo_actor
     from openrlhf.utils.logging_utils import init_logger
 
-    from openrlhf_lora_sync.patch import offload, reference_policy
-    from openrlhf_lora_sync.patch.checkpoint import atomic_save_model, logging_resume
-    from openrlhf_lora_sync.patch.reward_errors import install as report_reward_errors
-
-    trainer_cls = ppo_actor.ActorPPOTrainer
-    if getattr(trainer_cls, _APPLIED_MARK, False):
+    if getattr(ppo_actor.ActorPPOTrainer, _APPLIED_MARK, False):
         return
     check_versions()
     _enter_run_workdir()
-    cpu_standins.install()  # no CUDA only: OpenRLHF's unconditional CUDA calls answered (cpu_standins.py)
     # OpenRLHF's own handler (INFO, stdout, its format): the one summary line per sync is in the run's log
     # at INFO, next to OpenRLHF's lines, and warnings stay for what needs action.
     init_logger(logger.name)
-    # Upstream's own sync stays callable (tools/bench_trainer_sync.py times it against the patch's).
-    trainer_cls.upstream_broadcast_to_vllm = trainer_cls.broadcast_to_vllm
-    trainer_cls.broadcast_to_vllm = lora_broadcast_to_vllm
-    trainer_cls.__init__ = _checking_adapters_at_start(trainer_cls.__init__)
-    trainer_cls.ppo_train = _with_sync_metrics(trainer_cls.ppo_train)
-    base_trainer = ppo_trainer.BasePPOTrainer
-    base_trainer.save_logs_and_checkpoints = _recording_metrics(base_trainer.save_logs_and_checkpoints)
-    base_trainer._compute_rollout_stats = _with_rollout_parity(base_trainer._compute_rollout_stats)
-    # ray.remote copied the base class's methods onto the actor class it built; give it the patched ones.
-    actor_class = ppo_trainer.PPOTrainer.__ray_metadata__.modified_class
-    for name in ("save_logs_and_checkpoints", "_compute_rollout_stats"):
-        setattr(actor_class, name, getattr(base_trainer, name))
-    logging_utils.WandbLogger.close = _closing_wandb(logging_utils.WandbLogger.close)
-    DeepspeedStrategy.save_model = atomic_save_model(DeepspeedStrategy.save_model)
-    DeepspeedStrategy.load_ckpt = logging_resume(DeepspeedStrategy.load_ckpt)  # resume line: checkpoint.py
-    # create_vllm_engines looks RolloutRayActor up in its module when it runs.
-    vllm_engine.RolloutRayActor = _lora_engine_actor(vllm_engine.RolloutRayActor)
-    reference_policy.install()  # KL reference = the policy with its adapters disabled (reference_policy.py)
-    offload.install()  # LORA_SYNC_OFFLOAD_PARAMS=1: the policy's parameters in pinned host memory
-    report_reward_errors()  # a raising reward_func: a warning, a metric, a clear stop (reward_errors.py)
-    setattr(trainer_cls, _APPLIED_MARK, True)
+    for part in _parts():
+        part.install()
+    setattr(ppo_actor.ActorPPOTrainer, _APPLIED_MARK, True)
 
 
 def is_applied() -> bool:
