@@ -18,7 +18,7 @@ Returned dict: ``rewards`` and ``scores`` (float tensors, one per query, both th
 no separate correctness), ``extra_logs`` (batch means, which OpenRLHF copies into wandb):
 ``ascii_fraction`` (the reward) and ``ascii_no_response`` (share of samples with no response text).
 
-What each input gets (tests/test_rewards.py checks every row). ASCII text: the printable characters
+What each input gets (tests/inputs/test_rewards.py checks every row). ASCII text: the printable characters
 U+0020 to U+007E, tab, newline and carriage return.
 
 =========================================================  =========================  =================

