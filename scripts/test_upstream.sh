@@ -7,7 +7,7 @@
 #   bash scripts/test_upstream.sh --cpu-oldest -x     # extra arguments go to pytest
 #
 # The full suite runs on the default stack (scripts/test.sh); this is the subset whose outcome depends on
-# the upstream release: the contract and the version shims, the engine against HF, the sync in merge and
+# the upstream release: the contract and the version shims, the engine against HF, OpenRLHF's own suite, the sync in merge and
 # adapter mode (every family, fp32 and bf16), verify_sync.py, the faults, the launcher's config checks,
 # the patched method in OpenRLHF's engine actor, and OpenRLHF's real trainer learning above its control.
 set -euo pipefail
@@ -19,6 +19,7 @@ UPSTREAM_TESTS=(
   tests/upstream/test_upstream_versions.py
   tests/unit/test_supported_versions.py
   tests/sync/test_engine_equivalence.py
+  tests/upstream/test_openrlhf_own_suite.py
   tests/sync/test_sync.py
   tests/sync/test_adapter_mode.py
   tests/sync/test_verify_sync.py
