@@ -7,9 +7,10 @@
 #   bash scripts/test_upstream.sh --cpu-oldest -x     # extra arguments go to pytest
 #
 # The full suite runs on the default stack (scripts/test.sh); this is the subset whose outcome depends on
-# the upstream release: the contract and the version shims, the engine against HF, OpenRLHF's own suite, the sync in merge and
-# adapter mode (every family, fp32 and bf16), verify_sync.py, the faults, the launcher's config checks,
-# the patched method in OpenRLHF's engine actor, and OpenRLHF's real trainer learning above its control.
+# the upstream release: the contract and the version shims, the engine against HF, OpenRLHF's own suite
+# under the patch, the sync in merge and adapter mode (every family, fp32 and bf16), verify_sync.py, the
+# faults, the launcher's config checks, the patched method in OpenRLHF's engine actor, and OpenRLHF's real
+# trainer learning above its control.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
