@@ -72,7 +72,7 @@ def setup(tiny_model_dir, tiny_engine):
         engines = LocalEngines(tiny_engine(family))
         state = SyncState()
         dtype = getattr(torch, FAMILIES[family].dtype)
-        FLOORS[id(policy)] = probe.calibrate(policy, engines, FAMILIES[family].dtype)
+        FLOORS[id(policy)] = probe.calibrate(policy, engines)
         sync_weights(policy, engines, state, dtype=dtype, bucket_bytes=SMALL_BUCKET)
         assert_probe_passes(policy, engines, family, "none (full sync)")
         return policy, engines, state, dtype

@@ -60,7 +60,7 @@ def run(real_logits_dir, real_logits_engine):
         restore_checkpoint(real_logits_engine, real_logits_dir)
         policy = lora_policy(real_logits_dir, ATTENTION_AND_MLP_LINEARS, dtype=trainer_dtype)
         engines = LocalEngines(real_logits_engine)
-        return policy, engines, probe.calibrate(policy, engines, ENGINE_DTYPE)
+        return policy, engines, probe.calibrate(policy, engines)
 
     return make
 

@@ -269,7 +269,7 @@ def with_floor_tokens(fresh: ProbeResult, on_floor_tokens: ProbeResult) -> Probe
     return dataclasses.replace(fresh, verdict=verdict, floor_tokens_ratio=on_floor_tokens.ratio)
 
 
-def calibrate(model, engines, dtype: str, lora_request=None) -> ProbeFloor:
+def calibrate(model, engines, lora_request=None) -> ProbeFloor:
     """Single-process form (rank 0 holds the whole policy), before the first sync: the probe's tokens and
     the floor of these engines, which must still hold the checkpoint."""
     token_ids = probe_token_ids(engines, model, lora_request)

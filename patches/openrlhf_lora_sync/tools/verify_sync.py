@@ -352,7 +352,7 @@ def inject_fault(args, config) -> dict:
     def sync(**kwargs):
         return sync_weights(policy, engines, state, dtype=dtype, bucket_bytes=bucket_bytes, **kwargs)
 
-    floor = probe.calibrate(policy, engines, dtype_name)  # the engine still holds the checkpoint
+    floor = probe.calibrate(policy, engines)  # the engine still holds the checkpoint
 
     def probe_diff() -> tuple[float, bool]:
         result = probe.run_probe(policy, engines, dtype_name, floor)
