@@ -1,7 +1,7 @@
 """Check that this repo's merge-then-sync makes a real vLLM engine compute the LoRA-merged policy.
 
 Hardware: any. On CPU it needs the CPU test stack (bash scripts/setup_env.sh); on a GPU host the GPU
-stack. Time: tiny models under a minute on 2 CPU cores; a 7B model on one GPU a few minutes.
+stack. Time: tiny models under a minute on 2 CPU cores; not yet run on a GPU.
 
     python scripts/verify_sync.py --model DIR [--adapter DIR] [--dtype float32|bfloat16] [--skip-sync]
                                   [--mode merge|adapter] [--processor DIR]
