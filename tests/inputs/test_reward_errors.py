@@ -221,8 +221,9 @@ def test_in_the_real_trainer_a_reward_that_always_raises_stops_the_run_in_one_li
     stops = [line for line in log.splitlines() if "no sample of this rollout step got a reward" in line]
     assert len(stops) == 1 and stops[0].startswith("openrlhf_lora_sync: the run stopped"), log[-4000:]
     assert f"{path}: reward_func raised ValueError: cannot grade label" in stops[0] and "(line 2)" in stops[0]
-    warned = [line for line in log.splitlines() if "WARNING" in line and "reward_func raised" in line]
-    assert warned and "(RolloutRayActor pid=" in warned[0], log[-4000:]
+    # The engine actor's own warning is not asserted here: Ray forwards actor logs to the driver
+    # asynchronously, and a run stopped at its first step may exit before it does (one fresh clone of two
+    # lost it). The stop line above carries the same error; the next test sees the warning.
     assert "reward_model_group is required" not in log
 
 
@@ -237,4 +238,7 @@ def test_in_the_real_trainer_a_reward_that_sometimes_raises_is_counted_per_step(
     for step in steps:
         assert 0.0 < step[reward_errors.ERROR_RATE_KEY] < 1.0, step
         assert step["graded"] < 1.0  # the failed samples count as 0 there too
-    assert "KeyError: \"no 'answer' field in the response\" (line 8)" in log
+    # The engine actor warns once per error place, at WARNING (upstream logs a reward_func raise at INFO).
+    warned = [line for line in log.splitlines() if "WARNING" in line and "reward_func raised" in line]
+    assert len(warned) == 1 and "(RolloutRayActor pid=" in warned[0], log[-4000:]
+    assert "KeyError: \"no 'answer' field in the response\" (line 8)" in warned[0]
