@@ -48,22 +48,11 @@ def passed_tests(tmp_path: Path, label: str, *plugin_args: str, env_path: str = 
     """The ids of the tests one run of the own suite passed (its rootdir and config kept apart from ours)."""
     run_dir = tmp_path / label
     run_dir.mkdir()
-    (run_dir / "pytest.ini").write_text("[pytest]\n")
+    ini = run_dir / "pytest.ini"
+    ini.write_text("[pytest]\n")
     report = run_dir / "report.xml"
-    ini = str(run_dir / "pytest.ini")
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-c",
-        ini,
-        "--rootdir",
-        str(run_dir),
-    ]
-    command += [f"--junitxml={report}", *plugin_args, str(own_suite())]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+    command += ["-c", str(ini), "--rootdir", str(run_dir), *plugin_args, str(own_suite())]
     env = dict(os.environ)
     if env_path:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [env_path, env.get("PYTHONPATH")]))
